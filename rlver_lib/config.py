@@ -68,11 +68,13 @@ class SimulatorConfig(_Strict):
     """The affective simulated user (DESIGN §1).
 
     ``backend``: ``llamacpp`` (in-process GGUF), ``transformers`` (local HF model),
-    or ``openai`` (any OpenAI-compatible server at ``base_url``; the key is read
-    from the environment variable named by ``api_key_env``).
+    ``openai`` (any OpenAI-compatible server at ``base_url``; the key is read
+    from the environment variable named by ``api_key_env``), or ``rule`` (no
+    model: the deterministic ``rollout.RuleSimulator`` with its default change
+    function; for tiny test runs and CI, not for research).
     """
 
-    backend: Literal["llamacpp", "transformers", "openai"] = "llamacpp"
+    backend: Literal["llamacpp", "transformers", "openai", "rule"] = "llamacpp"
     model: str = EMBEDDED_SIMULATOR
     base_url: str | None = None
     api_key_env: str = "OPENAI_API_KEY"
