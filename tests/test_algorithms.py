@@ -1,0 +1,217 @@
+"""Advantage estimators and losses against hand-computed values and against TRL 1.16."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlver_lib import algorithms as alg
+
+
+# ---------------------------------------------------------------- GAE
+
+def test_gae_skips_user_tokens_and_handles_uneven_lengths():
+    # Row 0: a two-turn dialogue in one row; positions 0, 3, 4, 7 are user/template
+    # tokens. Policy tokens at 1, 2 (turn 1) and 5, 6 (turn 2); reward 1.0 at the last.
+    # Row 1: a shorter dialogue (3 policy tokens) then padding with junk values.
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0, 0]])
+    values = torch.tensor([[7.0, 0.1, 0.2, 7.0, 7.0, 0.3, 0.4, 7.0],
+                           [0.5, 0.5, 0.5, 9.0, 9.0, 9.0, 9.0, 9.0]])
+    rewards = torch.zeros(2, 8)
+    rewards[0, 6] = 1.0
+    rewards[1, 2] = 0.2
+    adv, ret = alg.gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    # Hand computation, γλ = 0.45, chaining policy tokens only:
+    # row 0: A6 = 1 - .4 = .6; A5 = (.9*.4 - .3) + .45*.6 = .33;
+    #        A2 = (.9*.3 - .2) + .45*.33 = .2185; A1 = (.9*.2 - .1) + .45*.2185 = .178325
+    # row 1: A2 = .2 - .5 = -.3; A1 = (.45 - .5) + .45*(-.3) = -.185; A0 = -.05 + .45*(-.185)
+    exp_adv = torch.tensor([[0, .178325, .2185, 0, 0, .33, .6, 0],
+                            [-.13325, -.185, -.3, 0, 0, 0, 0, 0]])
+    torch.testing.assert_close(adv, exp_adv, atol=1e-6, rtol=0)
+    exp_ret = torch.tensor([[0, .278325, .4185, 0, 0, .63, 1.0, 0],
+                            [.36675, .315, .2, 0, 0, 0, 0, 0]])
+    torch.testing.assert_close(ret, exp_ret, atol=1e-6, rtol=0)
+
+
+def test_gae_paper_defaults_give_reward_minus_value():
+    mask = torch.tensor([[1, 0, 1, 1]])
+    values = torch.tensor([[0.2, 5.0, 0.3, 0.6]])
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.8]])
+    adv, ret = alg.gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.6, 0.0, 0.5, 0.2]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.8, 0.0, 0.8, 0.8]]))
+
+
+def test_gae_rejects_reward_on_user_token_and_bad_shapes():
+    with pytest.raises(ValueError, match="masked"):
+        alg.gae(torch.tensor([[1.0, 0.0]]), torch.zeros(1, 2), torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="shape"):
+        alg.gae(torch.zeros(1, 3), torch.zeros(1, 2), torch.ones(1, 2))
+
+
+# ---------------------------------------------------------------- GRPO advantages
+
+def test_grpo_advantages_hand_computed():
+    rewards = torch.tensor([0.2, 0.4, 0.9, 0.5, 0.5, 0.7])
+    groups = ["a", "a", "a", "b", "b", "c"]
+    adv, zero = alg.grpo_advantages(rewards, groups, scale_rewards=True, eps=1e-4)
+    std_a = math.sqrt((0.09 + 0.01 + 0.16) / 2)  # unbiased sample std of group a
+    exp = torch.tensor([-0.3, -0.1, 0.4, 0, 0, 0]) / torch.tensor([std_a + 1e-4] * 3 + [1] * 3)
+    torch.testing.assert_close(adv, exp, atol=1e-6, rtol=0)
+    assert zero == 2  # group b (equal rewards) and c (single member)
+
+    adv_dr, zero_dr = alg.grpo_advantages(rewards, torch.tensor([0, 0, 0, 1, 1, 2]), scale_rewards=False)
+    torch.testing.assert_close(adv_dr, torch.tensor([-0.3, -0.1, 0.4, 0, 0, 0]), atol=1e-6, rtol=0)
+    assert zero_dr == 2
+
+
+def test_grpo_advantages_errors():
+    with pytest.raises(ValueError, match="group ids"):
+        alg.grpo_advantages(torch.tensor([1.0, 2.0]), ["a"])
+    with pytest.raises(ValueError, match="1-D"):
+        alg.grpo_advantages(torch.zeros(2, 2), ["a", "b"])
+
+
+# ---------------------------------------------------------------- losses
+
+def test_clipped_policy_loss_hand_computed():
+    old = torch.zeros(1, 5)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 0.5, 1.5, 3.0]])).requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    out = alg.clipped_policy_loss(logp, old, adv, mask, clip_eps=0.2, aggregation="token_mean")
+    # per token: -min(1.5, 1.2) = -1.2; -min(.5, .8) = -.5; -min(-.5, -.8) = .8; -min(-1.5, -1.2) = 1.5
+    assert out.loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 1.5) / 4, abs=1e-6)
+    assert out.clip_fraction.item() == pytest.approx(0.5)  # tokens 0 and 2
+    out.loss.backward()
+    # clipped tokens (0 and 2) and the masked token get no gradient; d(-ρA)/dlogp = -ρA / 4
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.5 / 4, 0.0, 1.5 / 4, 0.0]]))
+
+
+def test_aggregation_token_vs_sequence_mean():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [10.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert alg.aggregate(per_token, mask, "token_mean").item() == pytest.approx(16 / 4)
+    assert alg.aggregate(per_token, mask, "seq_mean").item() == pytest.approx((2 + 10) / 2)
+    with pytest.raises(ValueError, match="aggregation"):
+        alg.aggregate(per_token, mask, "sum")
+
+
+def test_masked_tokens_get_exactly_zero_gradient():
+    torch.manual_seed(0)
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 1, 0, 0, 0, 0]])
+    logp = (-torch.rand(2, 6)).requires_grad_()
+    values = torch.randn(2, 6).requires_grad_()
+    adv, ret = alg.gae(torch.tensor([[0, 0, 0, 0, 0, 1.0], [0, 0.3, 0, 0, 0, 0]]), values.detach(), mask)
+    for aggregation in ("token_mean", "seq_mean"):
+        logp.grad = None
+        out = alg.clipped_policy_loss(logp, logp.detach() - 0.05, adv, mask, aggregation=aggregation)
+        out.loss.backward()
+        assert torch.all(logp.grad[mask == 0] == 0)
+        assert torch.all(logp.grad[mask == 1] != 0)
+    vloss, _ = alg.clipped_value_loss(values, values.detach() + 0.1, ret, mask)
+    vloss.backward()
+    assert torch.all(values.grad[mask == 0] == 0)
+    assert torch.all(values.grad[mask == 1] != 0)
+
+
+def test_clipped_value_loss_hand_computed():
+    values = torch.tensor([[0.5, 0.0, 50.0]])
+    old = torch.tensor([[0.2, 0.1, 0.0]])
+    returns = torch.tensor([[1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, frac = alg.clipped_value_loss(values, old, returns, mask, clip_eps=0.2)
+    # token 0: max((.5-1)^2, (.4-1)^2) = .36; token 1: 0; token 2 masked
+    assert loss.item() == pytest.approx(0.5 * 0.36 / 2)
+    assert frac.item() == pytest.approx(0.5)
+
+
+def test_entropy_and_token_logprobs_match_torch_distributions():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 4, 7)
+    ids = torch.randint(0, 7, (2, 4))
+    dist = torch.distributions.Categorical(logits=logits)
+    torch.testing.assert_close(alg.entropy_from_logits(logits), dist.entropy())
+    torch.testing.assert_close(alg.token_logprobs(logits, ids), dist.log_prob(torch.roll(ids, -1, 1))[:, :-1])
+
+
+def test_kl_estimators_are_unbiased_for_exact_kl():
+    torch.manual_seed(2)
+    p_logits, q_logits = torch.randn(9), torch.randn(9)
+    logp, logq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    exact = torch.sum(logp.exp() * (logp - logq))
+    for est in ("k1", "k3"):
+        expectation = torch.sum(logp.exp() * alg.kl_penalty(logp[None], logq[None], est)[0])
+        assert expectation.item() == pytest.approx(exact.item(), abs=1e-6)
+    assert torch.all(alg.kl_penalty(logp[None], logq[None], "k3") >= 0)
+    with pytest.raises(ValueError, match="estimator"):
+        alg.kl_penalty(logp, logq, "k2")
+
+
+def test_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 99.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert alg.explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    # V = mean(R) everywhere: Var(R - V) = Var(R) -> 0
+    assert alg.explained_variance(torch.full_like(returns, 2.0), returns, mask) == pytest.approx(0.0)
+
+
+# ---------------------------------------------------------------- parity with TRL 1.16
+
+def _tiny_trl_trainer(tmp_path, loss_type):
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from trl import GRPOConfig, GRPOTrainer
+
+    vocab = {f"w{i}": i for i in range(30)}
+    vocab.update({"<pad>": 30, "<eos>": 31})
+    tok_core = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok_core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok_core, pad_token="<pad>", eos_token="<eos>")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=2, pad_token_id=30, eos_token_id=31))
+    # bf16=False: TRL would otherwise autocast the forward pass, so log-probs would differ by rounding.
+    args = GRPOConfig(output_dir=str(tmp_path / loss_type), loss_type=loss_type, beta=0.0, epsilon=0.2,
+                      num_generations=2, per_device_train_batch_size=2, max_completion_length=4,
+                      report_to=[], use_cpu=True, bf16=False, logging_steps=1)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=Dataset.from_list([{"prompt": "w1 w2"}] * 2),
+                          processing_class=tokenizer)
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+@pytest.mark.parametrize("loss_type,aggregation", [("grpo", "seq_mean"), ("bnpo", "token_mean")])
+def test_grpo_loss_equals_trl(tmp_path, loss_type, aggregation):
+    trainer = _tiny_trl_trainer(tmp_path, loss_type)
+    model = trainer.model
+    # Left-padded prompts, right-padded completions of uneven length, as TRL lays them out.
+    prompt_ids = torch.tensor([[30, 5, 6, 7], [8, 9, 10, 11]])
+    prompt_mask = (prompt_ids != 30).long()
+    completion_ids = torch.tensor([[12, 13, 31, 30], [14, 15, 16, 17]])
+    completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    rewards = torch.tensor([0.3, 0.8])
+    advantages, _ = alg.grpo_advantages(rewards, [0, 0])
+    old = torch.tensor([[-3.0, -3.5, -2.9, 0.0], [-3.2, -3.4, -3.6, -3.3]])
+    inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                  completion_mask=completion_mask, advantages=advantages, old_per_token_logps=old,
+                  num_items_in_batch=completion_mask.sum())
+    model.train()
+    trl_loss = trainer._compute_loss(model, inputs)
+    trl_grads = torch.autograd.grad(trl_loss, list(model.parameters()))
+
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention = torch.cat([prompt_mask, completion_mask], 1)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits
+    logp = alg.token_logprobs(logits, input_ids)[:, prompt_ids.shape[1] - 1:]
+    ours = alg.clipped_policy_loss(logp, old, advantages, completion_mask, clip_eps=0.2,
+                                   aggregation=aggregation).loss
+    our_grads = torch.autograd.grad(ours, list(model.parameters()))
+    assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-6)
+    for g_ours, g_trl in zip(our_grads, trl_grads):
+        torch.testing.assert_close(g_ours, g_trl, rtol=1e-4, atol=1e-6)
