@@ -1,0 +1,153 @@
+"""The ``rlver`` command line (DESIGN §5).
+
+::
+
+    rlver run PARAMS.yaml [--set key=value ...]      pipeline notebooks -> outputs/<run>/report.html
+    rlver ablate GRID.yaml [--set key=value ...]     every grid cell, then one comparison report
+    rlver eval PARAMS.yaml [--set key=value ...]     the benchmark alone (base model or policy.adapter)
+    rlver sage-score FILE [FILE ...] [--json]        Sentient score of SAGE-format transcripts
+    rlver scenarios validate FILE                    exit 0 when valid, else file/line/field named
+    rlver models prepare                             convert and check the embedded models
+
+Exit status: 0 on success, 2 for a bad params file or override (the message names
+the key), 1 when a pipeline stage fails (the failing cell's error is printed).
+Thread counts (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``) are fixed from
+``threads`` in the params, else from the environment, before any model library loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from .config import ConfigError, RunConfig, load_config, parse_override
+from .workbench import PipelineError, load_grid, run_ablation, run_pipeline
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def configure_threads(threads: int | None) -> None:
+    """Set the BLAS/OpenMP thread variables; must run before torch is imported.
+
+    An explicit ``threads`` wins; otherwise variables already set are kept and
+    unset ones default to the number of CPUs this process may use.
+    """
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for var in _THREAD_VARS:
+        if threads:
+            os.environ[var] = str(threads)
+        else:
+            os.environ.setdefault(var, os.environ.get("OMP_NUM_THREADS", str(available or 1)))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _load(path: str, overrides: list[str], extra: dict | None = None) -> RunConfig:
+    merged = dict(parse_override(o) for o in overrides)
+    cfg = load_config(path, {**(extra or {}), **merged})
+    configure_threads(cfg.threads)
+    return cfg
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    cfg = _load(args.params, args.set)
+    report = run_pipeline(cfg, params_file=args.params, progress=not args.no_progress)
+    print(f"report: {report}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    overrides = dict(parse_override(o) for o in args.set)
+    base = load_config(args.params, overrides)
+    extra = {"stages": ["scenarios", "baseline", "analysis"]}
+    if "run_name" not in overrides:
+        extra["run_name"] = f"{base.run_name}-eval"
+    cfg = _load(args.params, args.set, extra)
+    report = run_pipeline(cfg, params_file=args.params, progress=not args.no_progress)
+    print(f"report: {report}")
+    return 0
+
+
+def _cmd_ablate(args: argparse.Namespace) -> int:
+    _, cells = load_grid(args.grid, args.set)  # validates every cell before anything runs
+    configure_threads(cells[0].config.threads)
+    report = run_ablation(args.grid, args.set, progress=not args.no_progress)
+    print(f"report: {report}")
+    return 0
+
+
+def _cmd_sage_score(args: argparse.Namespace) -> int:
+    configure_threads(None)
+    from .evaluation import sage_score_command
+
+    return sage_score_command(args.files, as_json=args.json)
+
+
+def _cmd_scenarios_validate(args: argparse.Namespace) -> int:
+    from .scenarios import validate_command
+
+    return validate_command(args.file)
+
+
+def _cmd_models_prepare(args: argparse.Namespace) -> int:
+    configure_threads(None)
+    from .models import prepare_embedded
+
+    prepare_embedded()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of the ``rlver`` command (sub-commands as in DESIGN §5)."""
+    parser = argparse.ArgumentParser(prog="rlver", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_params(name: str, help_text: str, positional: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument(positional)
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="dotted config override, e.g. training.steps=4 (repeatable)")
+        p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+        return p
+
+    with_params("run", "run the pipeline notebooks for a params file", "params") \
+        .set_defaults(func=_cmd_run)
+    with_params("eval", "run the benchmark alone (base model or policy.adapter)", "params") \
+        .set_defaults(func=_cmd_eval)
+    with_params("ablate", "run every cell of an ablation grid, then compare", "grid") \
+        .set_defaults(func=_cmd_ablate)
+
+    sage = sub.add_parser("sage-score", help="score SAGE-format transcript files")
+    sage.add_argument("files", nargs="+")
+    sage.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sage.set_defaults(func=_cmd_sage_score)
+
+    scen = sub.add_parser("scenarios", help="scenario files").add_subparsers(
+        dest="scenarios_command", required=True)
+    validate = scen.add_parser("validate", help="validate a scenario file")
+    validate.add_argument("file")
+    validate.set_defaults(func=_cmd_scenarios_validate)
+
+    models = sub.add_parser("models", help="embedded models").add_subparsers(
+        dest="models_command", required=True)
+    models.add_parser("prepare", help="convert the embedded GGUF models into the cache") \
+        .set_defaults(func=_cmd_models_prepare)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rlver`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"rlver: invalid configuration:\n{err}", file=sys.stderr)
+        return 2
+    except PipelineError as err:
+        print(f"rlver: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

