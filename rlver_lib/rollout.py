@@ -1,0 +1,388 @@
+"""Batched multi-turn rollouts between the policy and a simulated user (DESIGN §1-2).
+
+:func:`run_rollouts` plays many dialogues at once. The user speaks first (the
+scenario's opening line, or a generated one). Then, per policy turn: ONE batched
+``policy.generate`` over all live dialogues, ONE batched ``simulator.step``;
+finished dialogues drop out. Every dialogue keeps its own :class:`_Dialogue`
+state keyed by a stable id ``<scenario_id>#<k>`` from first turn to reward, so
+rewards can never be attributed to a neighbour when dialogues end at different
+turns (DESIGN §2).
+
+Think mode (DESIGN §1 "Think-then-say"): the policy writes ``<think>...</think>``
+then its reply; only the text after the last ``</think>`` reaches the simulator
+and the history, so later contexts never contain earlier thoughts and each policy
+turn is its own training sample (:class:`TurnSample`) holding exactly the ids
+the policy saw and sampled.
+
+Termination (first that applies after a turn): ``error`` (the simulator turn
+failed after its retries), ``success`` (e >= 100), ``failure`` (e < 10),
+``goodbye`` (the user's structured end flag), ``max_turns`` (policy-turn cap or
+context budget reached). With ``format_violation == "end_dialogue"`` a malformed
+think block ends the dialogue at once with ``format_violation`` (the malformed
+text never reaches the user). Every policy reply that reaches the user is
+appraised, the last one too. Reward = final emotion / 100 (0.0-1.0).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol, Sequence
+
+from tqdm.auto import tqdm
+
+from .backends import ChatBackend, Conversation, SamplingParams
+from .simulator import (
+    FAILURE_EMOTION,
+    SUCCESS_EMOTION,
+    RuleSimulator,
+    SimulatorRequest,
+    SimulatorTurn,
+    derive_seed,
+    prompt_text,
+)
+
+__all__ = [
+    "RuleSimulator",
+    "ThinkParse",
+    "TurnSample",
+    "Trajectory",
+    "parse_think",
+    "policy_messages",
+    "run_rollouts",
+]
+
+Termination = Literal["success", "failure", "goodbye", "max_turns", "error", "format_violation"]
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_THINK_TAG = re.compile(r"</?think>")
+
+
+class Simulator(Protocol):
+    """What the rollout needs from a simulated user (``UserSimulator`` or ``RuleSimulator``)."""
+
+    def opening_lines(self, scenarios: Sequence[Any]) -> list[str | None]: ...
+
+    def step(self, requests: Sequence[SimulatorRequest]) -> list[SimulatorTurn]: ...
+
+
+# ---------------------------------------------------------------------------
+# think-then-say
+
+
+@dataclass(frozen=True)
+class ThinkParse:
+    """A policy output split into private ``thought`` and visible ``reply``.
+
+    ``ok`` is False for a format violation; ``problem`` then names it:
+    ``no_think_block``, ``missing_close_tag``, ``missing_open_tag``,
+    ``duplicate_tags``, ``text_before_think`` or ``empty_reply``. ``reply`` never
+    contains a think tag or thought content.
+    """
+
+    thought: str
+    reply: str
+    ok: bool
+    problem: str | None = None
+
+
+def parse_think(text: str) -> ThinkParse:
+    """Split ``<think>thought</think>reply`` (DESIGN §1).
+
+    The reply is the text after the last ``</think>``. Without any ``</think>``
+    everything from the first ``<think>`` on is thought. Tags are stripped from
+    both parts. Malformed blocks give ``ok=False`` with the problem named.
+    """
+    n_open, n_close = text.count(THINK_OPEN), text.count(THINK_CLOSE)
+    if n_open == 0 and n_close == 0:
+        return ThinkParse("", text.strip(), False, "no_think_block")
+    if n_close == 0:
+        start = text.index(THINK_OPEN)
+        thought = _THINK_TAG.sub("", text[start:]).strip()
+        return ThinkParse(thought, text[:start].strip(), False, "missing_close_tag")
+    end = text.rindex(THINK_CLOSE)
+    thought = _THINK_TAG.sub("", text[:end]).strip()
+    reply = text[end + len(THINK_CLOSE):].strip()
+    problem = None
+    if n_open == 0:
+        problem = "missing_open_tag"
+    elif n_open > 1 or n_close > 1:
+        problem = "duplicate_tags"
+    elif text[: text.index(THINK_OPEN)].strip():
+        problem = "text_before_think"
+    elif not reply:
+        problem = "empty_reply"
+    return ThinkParse(thought, reply, problem is None, problem)
+
+
+def policy_messages(scenario: Any, history: Sequence[dict[str, str]], think: bool) -> Conversation:
+    """The policy's conversation: system prompt (scenario language, think or not) + visible history.
+
+    ``history`` holds only visible messages (``role`` user/assistant,
+    ``content``): never thoughts, never simulator fields.
+    """
+    language = getattr(scenario, "language", "en")
+    if language not in ("en", "zh"):
+        raise ValueError(f"scenario {getattr(scenario, 'id', '?')}: unsupported language {language!r}")
+    system = prompt_text(f"policy_{'think' if think else 'nothink'}_{language}.txt").strip()
+    return [{"role": "system", "content": system}] + [
+        {"role": m["role"], "content": m["content"]} for m in history
+    ]
+
+
+# ---------------------------------------------------------------------------
+# records
+
+
+@dataclass
+class TurnSample:
+    """One policy turn as a training sample.
+
+    ``context_ids`` (length C): the exact prompt ids the policy saw;
+    ``completion_ids`` (length T): the sampled ids, end-of-turn token included
+    when emitted; ``old_logprobs`` (length T): log-probabilities of those ids
+    under the sampling policy (nats).
+    """
+
+    dialogue_id: str
+    turn: int
+    context_ids: list[int]
+    completion_ids: list[int]
+    old_logprobs: list[float]
+
+    @property
+    def input_ids(self) -> list[int]:
+        """Context then completion, length C + T."""
+        return self.context_ids + self.completion_ids
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """0 on the C context ids, 1 on the T policy-generated ids."""
+        return [0] * len(self.context_ids) + [1] * len(self.completion_ids)
+
+
+@dataclass
+class Trajectory:
+    """One finished dialogue: transcript, reward and per-turn samples.
+
+    ``turns``: transcript entries (see :meth:`to_record`); ``final_emotion`` in
+    [0, 100]; ``reward`` = final_emotion / 100; ``samples``: one
+    :class:`TurnSample` per policy turn (empty for backends without token ids);
+    ``format_violations``: number of malformed think blocks (think mode).
+    A trajectory with ``termination == "error"`` holds the last genuine emotion;
+    learners should leave it out rather than train on it.
+    """
+
+    dialogue_id: str
+    scenario_id: str
+    group_id: str
+    turns: list[dict[str, Any]]
+    final_emotion: int
+    reward: float
+    termination: Termination
+    samples: list[TurnSample] = field(default_factory=list)
+    format_violations: int = 0
+    initial_emotion: int = 0
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON record of DESIGN / docs/ARCHITECTURE.md.
+
+        Turns: ``{"role": "user", "content"}`` for the opening;
+        policy turns ``{"role": "assistant", "content", "thought", "format_ok",
+        "format_problem", "raw"}``; user turns ``{"role": "user", "content",
+        "change", "raw_change", "emotion_before", "emotion", "label",
+        "appraisal", "goodbye", "attempts", "raw_outputs", "failures", "error"}``.
+        """
+        return {
+            "dialogue_id": self.dialogue_id,
+            "scenario_id": self.scenario_id,
+            "group_id": self.group_id,
+            "initial_emotion": self.initial_emotion,
+            "turns": self.turns,
+            "final_emotion": self.final_emotion,
+            "reward": self.reward,
+            "termination": self.termination,
+            "format_violations": self.format_violations,
+        }
+
+
+@dataclass
+class _Dialogue:
+    """Mutable state of one dialogue during a rollout, keyed by ``dialogue_id``."""
+
+    dialogue_id: str
+    scenario: Any
+    emotion: int
+    initial_emotion: int
+    history: list[dict[str, str]] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[TurnSample] = field(default_factory=list)
+    format_violations: int = 0
+    termination: Termination | None = None
+
+    def trajectory(self) -> Trajectory:
+        return Trajectory(
+            dialogue_id=self.dialogue_id,
+            scenario_id=self.scenario.id,
+            group_id=self.scenario.id,
+            turns=self.turns,
+            final_emotion=self.emotion,
+            reward=self.emotion / 100.0,
+            termination=self.termination or "max_turns",
+            samples=self.samples,
+            format_violations=self.format_violations,
+            initial_emotion=self.initial_emotion,
+        )
+
+
+# ---------------------------------------------------------------------------
+# the engine
+
+
+def _record_policy_turn(
+    dialogue: _Dialogue, turn: int, generation: Any, think: bool, format_violation: str
+) -> bool:
+    """Store one policy output; returns True when its reply goes to the user."""
+    parsed = parse_think(generation.text) if think else ThinkParse("", generation.text.strip(), True)
+    dialogue.turns.append(
+        {
+            "role": "assistant",
+            "content": parsed.reply,
+            "thought": parsed.thought,
+            "format_ok": parsed.ok,
+            "format_problem": parsed.problem,
+            "raw": generation.text,
+        }
+    )
+    if generation.prompt_ids is not None and generation.completion_ids is not None:
+        dialogue.samples.append(
+            TurnSample(
+                dialogue.dialogue_id, turn, list(generation.prompt_ids), list(generation.completion_ids),
+                list(generation.logprobs or []),
+            )
+        )
+    if not parsed.ok:
+        dialogue.format_violations += 1
+        if format_violation == "end_dialogue":
+            dialogue.termination = "format_violation"
+            return False
+    dialogue.history.append({"role": "assistant", "content": parsed.reply})
+    return True
+
+
+def _record_user_turn(dialogue: _Dialogue, result: SimulatorTurn) -> None:
+    dialogue.turns.append(
+        {
+            "role": "user",
+            "content": result.reply,
+            "change": result.change,
+            "raw_change": result.raw_change,
+            "emotion_before": result.emotion_before,
+            "emotion": result.emotion,
+            "label": result.label,
+            "appraisal": result.appraisal,
+            "goodbye": result.goodbye,
+            "attempts": result.attempts,
+            "raw_outputs": result.raw_outputs,
+            "failures": result.failures,
+            "error": result.error,
+        }
+    )
+    dialogue.emotion = result.emotion
+    if result.error is not None:
+        dialogue.termination = "error"
+    elif result.emotion >= SUCCESS_EMOTION:
+        dialogue.termination = "success"
+    elif result.emotion < FAILURE_EMOTION:
+        dialogue.termination = "failure"
+    elif result.goodbye:
+        dialogue.termination = "goodbye"
+    else:
+        dialogue.history.append({"role": "user", "content": result.reply})
+
+
+def _start_dialogues(
+    simulator: Simulator, scenarios: Sequence[Any], n_per_scenario: int, initial_emotion: int
+) -> list[_Dialogue]:
+    ids = [s.id for s in scenarios]
+    if len(set(ids)) != len(ids):
+        raise ValueError("scenario ids must be unique within one rollout")
+    openings = simulator.opening_lines(scenarios)
+    dialogues = []
+    for scenario, opening in zip(scenarios, openings):
+        for k in range(n_per_scenario):
+            d = _Dialogue(f"{scenario.id}#{k}", scenario, initial_emotion, initial_emotion)
+            if opening is None:
+                d.turns.append({"role": "user", "content": None, "error": "opening line could not be generated"})
+                d.termination = "error"
+            else:
+                d.turns.append({"role": "user", "content": opening})
+                d.history.append({"role": "user", "content": opening})
+            dialogues.append(d)
+    return dialogues
+
+
+def run_rollouts(
+    policy: ChatBackend,
+    simulator: Simulator,
+    scenarios: Sequence[Any],
+    *,
+    n_per_scenario: int = 1,
+    max_turns: int,
+    initial_emotion: int,
+    think: bool,
+    sampling: SamplingParams,
+    seed: int,
+    progress: bool = True,
+    max_context_tokens: int | None = None,
+    format_violation: Literal["keep_reply", "end_dialogue"] = "keep_reply",
+) -> list[Trajectory]:
+    """Play ``len(scenarios) * n_per_scenario`` dialogues in lockstep (DESIGN §1-2).
+
+    ``max_turns``: cap on policy turns; ``initial_emotion``: starting score
+    (0-100); ``sampling``: policy sampling (its seed is replaced per turn by one
+    derived from ``seed`` and the turn); ``max_context_tokens``: when set, a
+    dialogue whose next policy context could exceed it (this turn's context +
+    completion + ``sampling.max_new_tokens``) ends after this reply is appraised,
+    with ``max_turns``. ``format_violation``: ``keep_reply`` (the reply with all
+    think tags and thought removed goes on) or ``end_dialogue``.
+    Returns trajectories in order (scenario order, then replica ``k``); each has
+    ``group_id`` = scenario id (GRPO groups). Raises ``ValueError`` on bad arguments
+    or when the simulator answers for the wrong dialogues.
+    """
+    if max_turns < 1 or n_per_scenario < 1:
+        raise ValueError("max_turns and n_per_scenario must be >= 1")
+    if not 0 <= initial_emotion <= 100:
+        raise ValueError(f"initial_emotion must be in [0, 100], got {initial_emotion}")
+    if format_violation not in ("keep_reply", "end_dialogue"):
+        raise ValueError(f"unknown format_violation {format_violation!r}")
+    dialogues = _start_dialogues(simulator, scenarios, n_per_scenario, initial_emotion)
+    with tqdm(total=max_turns, desc="rollout turns", unit="turn", disable=not progress) as bar:
+        for turn in range(max_turns):
+            live = [d for d in dialogues if d.termination is None]
+            if not live:
+                break
+            bar.set_postfix(live=len(live))
+            turn_sampling = replace(sampling, seed=derive_seed(seed, "policy", turn))
+            generations = policy.generate([policy_messages(d.scenario, d.history, think) for d in live], turn_sampling)
+            if len(generations) != len(live):
+                raise ValueError(f"policy returned {len(generations)} generations for {len(live)} dialogues")
+            to_user = [d for d, g in zip(live, generations) if _record_policy_turn(d, turn, g, think, format_violation)]
+            if to_user:
+                requests = [SimulatorRequest(d.dialogue_id, d.scenario, list(d.history), d.emotion, turn) for d in to_user]
+                results = simulator.step(requests)
+                by_id = {r.dialogue_id: r for r in results}
+                if len(results) != len(requests) or set(by_id) != {d.dialogue_id for d in to_user}:
+                    raise ValueError("simulator results do not match the requested dialogue ids")
+                for d in to_user:
+                    _record_user_turn(d, by_id[d.dialogue_id])
+                    if d.termination is None and _context_exhausted(d, sampling, max_context_tokens):
+                        d.termination = "max_turns"
+            bar.update(1)
+    return [d.trajectory() for d in dialogues]
+
+
+def _context_exhausted(dialogue: _Dialogue, sampling: SamplingParams, max_context_tokens: int | None) -> bool:
+    if max_context_tokens is None or not dialogue.samples:
+        return False
+    last = dialogue.samples[-1]
+    return len(last.context_ids) + len(last.completion_ids) + sampling.max_new_tokens > max_context_tokens

@@ -1,0 +1,572 @@
+"""The affective simulated user (DESIGN §1, SAGE-style "sentient agent").
+
+The user holds an emotion score ``e`` in [0, 100] and a mood label
+(:func:`label_for`). After each policy reply it makes two structured calls:
+
+1. *appraise* — in character: what the reply meant, how it fits the hidden
+   intention, the inner reaction, and an integer ``change`` in [-10, 10];
+2. *reply* — the next user message, given the appraisal and the current label
+   (S: thank and say goodbye; F: say goodbye), with an ``end_conversation`` flag.
+
+Between the two, the update rule runs in code, not in the model
+(:func:`apply_change`): the change is clamped to [-10, 10], then
+``e = clamp(e + change, 0, 100)``.
+
+Robustness (DESIGN §2): each structured call is retried at most
+``sim_cfg.max_retries`` times on unusable output (invalid JSON, missing or
+mistyped field, change out of range, backend error); every attempt's raw output
+is recorded; a turn that still fails carries ``error`` and no invented score.
+The appraisal and the reply's reasoning are private: only ``reply`` is meant for
+the policy, and a missing ``message`` field is a failed attempt, never a
+fallback to the analysis text.
+
+Seeding: every batched call uses a seed derived from (simulator seed, stage,
+turn, attempt) with :func:`derive_seed`, which does not depend on which other
+dialogues share the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from string import Template
+from typing import Any, Callable, Literal, Sequence
+
+from .backends import ChatBackend, Conversation, SamplingParams
+from .config import SimulatorConfig
+
+try:  # the backends module defines it (docs/ARCHITECTURE.md); tolerate its absence
+    from .backends import BackendError
+except ImportError:  # pragma: no cover - only while backends.py lacks it
+
+    class BackendError(RuntimeError):  # type: ignore[no-redef]
+        """Stand-in until ``rlver_lib.backends.BackendError`` exists."""
+
+
+Label = Literal["S", "A", "B", "C", "F"]
+Difficulty = Literal["easy", "moderate", "hard"]
+
+MIN_CHANGE, MAX_CHANGE = -10, 10
+MIN_EMOTION, MAX_EMOTION = 0, 100
+SUCCESS_EMOTION, FAILURE_EMOTION = 100, 10
+
+APPRAISAL_FIELDS = ("reply_meaning", "intention_fit", "inner_reaction")
+APPRAISAL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        **{name: {"type": "string"} for name in APPRAISAL_FIELDS},
+        # an enum, not minimum/maximum: llama.cpp's schema-to-grammar converter
+        # ignores integer bounds
+        "change": {"type": "integer", "enum": list(range(MIN_CHANGE, MAX_CHANGE + 1))},
+    },
+    "required": [*APPRAISAL_FIELDS, "change"],
+    "additionalProperties": False,
+}
+REPLY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "reasoning": {"type": "string"},
+        "message": {"type": "string"},
+        "end_conversation": {"type": "boolean"},
+    },
+    "required": ["reasoning", "message", "end_conversation"],
+    "additionalProperties": False,
+}
+OPENING_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"message": {"type": "string"}},
+    "required": ["message"],
+    "additionalProperties": False,
+}
+
+
+class SimulatorError(RuntimeError):
+    """A structured simulator output that cannot be used (the message says why)."""
+
+
+# ---------------------------------------------------------------------------
+# update rule
+
+
+def label_for(e: float) -> Label:
+    """Mood label of emotion score ``e`` (DESIGN §1).
+
+    S: e >= 100, A: e >= 70, B: e >= 40, C: e >= 10, F: e < 10.
+    """
+    if e >= SUCCESS_EMOTION:
+        return "S"
+    if e >= 70:
+        return "A"
+    if e >= 40:
+        return "B"
+    if e >= FAILURE_EMOTION:
+        return "C"
+    return "F"
+
+
+def apply_change(e: int, change: int) -> tuple[int, int]:
+    """The update rule of DESIGN §1: returns ``(clamped_change, new_e)``.
+
+    ``clamped_change`` = ``change`` clamped to [-10, 10]; ``new_e`` =
+    ``e + clamped_change`` clamped to [0, 100]. Raises ``TypeError`` when either
+    argument is not an integer (``bool`` included).
+    """
+    for name, value in (("e", e), ("change", change)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    clamped = max(MIN_CHANGE, min(MAX_CHANGE, change))
+    return clamped, max(MIN_EMOTION, min(MAX_EMOTION, e + clamped))
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 31-bit seed from any parts (``repr`` hashed with SHA-256); stable across runs."""
+    digest = hashlib.sha256(repr(parts).encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+# ---------------------------------------------------------------------------
+# requests and results
+
+
+@dataclass
+class SimulatorRequest:
+    """One dialogue waiting for the simulated user's reaction.
+
+    ``history``: the visible conversation (``role`` user/assistant, ``content``),
+    ending with the policy reply to appraise. ``emotion``: score before this
+    turn (0-100). ``turn``: 0-based policy-turn index.
+    """
+
+    dialogue_id: str
+    scenario: Any
+    history: list[dict[str, str]]
+    emotion: int
+    turn: int
+
+
+@dataclass
+class SimulatorTurn:
+    """The simulated user's reaction to one policy reply.
+
+    ``raw_change``: the change the model (or rule) gave; ``change``: after the
+    clamp; ``emotion_before``/``emotion``: score before/after (0-100);
+    ``appraisal``: private fields (never shown to the policy); ``reply``: the
+    user's next message (``None`` when the turn failed); ``goodbye``: the user
+    ended the conversation (structured flag); ``raw_outputs``: every raw model
+    output of this turn, in call order; ``attempts``: number of model calls;
+    ``failures``: why each failed attempt was unusable; ``error``: set when the
+    turn could not be completed within the retry budget.
+    """
+
+    dialogue_id: str
+    change: int | None
+    raw_change: int | None
+    emotion_before: int
+    emotion: int
+    label: Label
+    appraisal: dict[str, Any]
+    reply: str | None
+    goodbye: bool
+    raw_outputs: list[str] = field(default_factory=list)
+    attempts: int = 0
+    failures: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------
+# prompts
+
+
+@lru_cache(maxsize=None)
+def prompt_text(name: str) -> str:
+    """The text of ``rlver_lib/prompts/<name>`` (UTF-8). Raises ``FileNotFoundError``."""
+    return resources.files("rlver_lib").joinpath("prompts", name).read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=None)
+def _vocab(language: str) -> dict[str, Any]:
+    return json.loads(prompt_text(f"sim_vocab_{language}.json"))
+
+
+def _language(scenario: Any) -> str:
+    language = getattr(scenario, "language", "en")
+    if language not in ("en", "zh"):
+        raise ValueError(f"scenario {getattr(scenario, 'id', '?')}: unsupported language {language!r}")
+    return language
+
+
+def _render(value: Any) -> str:
+    if hasattr(value, "model_dump"):
+        value = value.model_dump(exclude_none=True)
+    if isinstance(value, dict):
+        return "\n".join(f"- {k}: {_render(v)}" for k, v in value.items() if v not in (None, ""))
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_render(v) for v in value)
+    return str(value)
+
+
+def _fill(name: str, **values: Any) -> str:
+    return Template(prompt_text(name)).substitute({k: _render(v) for k, v in values.items()}).strip()
+
+
+def _system_prompt(scenario: Any, emotion: int) -> str:
+    language = _language(scenario)
+    vocab = _vocab(language)
+    label = label_for(emotion)
+    personality = getattr(scenario, "personality", "")
+    return _fill(
+        f"sim_system_{language}.txt",
+        persona=scenario.persona,
+        situation=scenario.situation,
+        personality=personality,
+        personality_text=vocab["personalities"].get(personality, ""),
+        intention=scenario.intention_text,
+        emotion=emotion,
+        label=label,
+        label_meaning=vocab["labels"][label]["meaning"],
+    )
+
+
+def render_transcript(history: Sequence[dict[str, str]], language: str) -> str:
+    """The visible conversation as ``Speaker: text`` lines, from the user's side."""
+    vocab = _vocab(language)
+    lines = []
+    for message in history:
+        text = message["content"].strip() or vocab["empty_reply"]
+        lines.append(f"{vocab['speakers'][message['role']]}: {text}")
+    return "\n".join(lines)
+
+
+def appraise_messages(request: SimulatorRequest, difficulty: Difficulty) -> Conversation:
+    """Chat messages of the appraise step for one request."""
+    language = _language(request.scenario)
+    user = _fill(
+        f"sim_appraise_{language}.txt",
+        transcript=render_transcript(request.history, language),
+        guidance=prompt_text(f"sim_difficulty_{difficulty}_{language}.txt").strip(),
+    )
+    return [
+        {"role": "system", "content": _system_prompt(request.scenario, request.emotion)},
+        {"role": "user", "content": user},
+    ]
+
+
+def reply_messages(request: SimulatorRequest, appraisal: dict[str, Any], emotion: int) -> Conversation:
+    """Chat messages of the reply step, given the appraisal and the updated emotion."""
+    language = _language(request.scenario)
+    label = label_for(emotion)
+    labels = _vocab(language)["labels"]
+    user = _fill(
+        f"sim_reply_{language}.txt",
+        transcript=render_transcript(request.history, language),
+        **{name: appraisal[name] for name in APPRAISAL_FIELDS},
+        emotion=emotion,
+        label=label,
+        label_meaning=labels[label]["meaning"],
+        label_instruction=labels[label]["instruction"],
+    )
+    return [
+        {"role": "system", "content": _system_prompt(request.scenario, emotion)},
+        {"role": "user", "content": user},
+    ]
+
+
+def opening_messages(scenario: Any, emotion: int) -> Conversation:
+    """Chat messages asking the user for a first message (no opening line given)."""
+    return [
+        {"role": "system", "content": _system_prompt(scenario, emotion)},
+        {"role": "user", "content": _fill(f"sim_opening_{_language(scenario)}.txt")},
+    ]
+
+
+# ---------------------------------------------------------------------------
+# parsing structured outputs
+
+_FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(_FENCE.sub("", text.strip()))
+    except json.JSONDecodeError as err:
+        raise SimulatorError(f"invalid JSON: {err.msg} at column {err.colno}") from None
+    if not isinstance(obj, dict):
+        raise SimulatorError(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _string_field(obj: dict[str, Any], name: str, *, allow_empty: bool = True) -> str:
+    value = obj.get(name)
+    if not isinstance(value, str):
+        raise SimulatorError(f"field {name!r} missing or not a string")
+    if not allow_empty and not value.strip():
+        raise SimulatorError(f"field {name!r} is empty")
+    return value.strip()
+
+
+def parse_appraisal(text: str) -> dict[str, Any]:
+    """Parse an appraise output: the three text fields and an integer ``change``.
+
+    Raises :class:`SimulatorError` on invalid JSON, a missing or mistyped field,
+    or a change outside [-10, 10] (an out-of-range change is unusable, not clamped).
+    """
+    obj = _json_object(text)
+    appraisal: dict[str, Any] = {name: _string_field(obj, name) for name in APPRAISAL_FIELDS}
+    change = obj.get("change")
+    if isinstance(change, bool) or not isinstance(change, int):
+        raise SimulatorError(f"field 'change' missing or not an integer: {change!r}")
+    if not MIN_CHANGE <= change <= MAX_CHANGE:
+        raise SimulatorError(f"field 'change' out of range [-10, 10]: {change}")
+    appraisal["change"] = change
+    return appraisal
+
+
+def parse_reply(text: str) -> dict[str, Any]:
+    """Parse a reply output: ``reasoning`` (private), ``message`` (non-empty), ``end_conversation`` (bool).
+
+    Raises :class:`SimulatorError`; a missing ``message`` is never replaced by other text.
+    """
+    obj = _json_object(text)
+    end = obj.get("end_conversation")
+    if not isinstance(end, bool):
+        raise SimulatorError(f"field 'end_conversation' missing or not a boolean: {end!r}")
+    return {
+        "reasoning": _string_field(obj, "reasoning"),
+        "message": _string_field(obj, "message", allow_empty=False),
+        "end_conversation": end,
+    }
+
+
+def parse_opening(text: str) -> str:
+    """Parse an opening output; returns the non-empty ``message``. Raises :class:`SimulatorError`."""
+    return _string_field(_json_object(text), "message", allow_empty=False)
+
+
+@dataclass
+class _CallLog:
+    raw_outputs: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    attempts: int = 0
+
+
+# ---------------------------------------------------------------------------
+# the LLM simulator
+
+
+class UserSimulator:
+    """The LLM-played user of DESIGN §1 over any :class:`ChatBackend`.
+
+    ``sim_cfg`` gives difficulty (easy / moderate / hard prompt texts),
+    temperature, ``max_new_tokens`` and ``max_retries``; ``seed`` seeds every call.
+    """
+
+    def __init__(self, backend: ChatBackend, sim_cfg: SimulatorConfig | None = None, *, seed: int = 0):
+        self.backend = backend
+        self.cfg = sim_cfg or SimulatorConfig()
+        self.seed = seed
+
+    def _sampling(self, stage: str, turn: int, attempt: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.cfg.temperature,
+            top_p=1.0,
+            max_new_tokens=self.cfg.max_new_tokens,
+            seed=derive_seed(self.seed, stage, turn, attempt),
+        )
+
+    def _structured(
+        self,
+        conversations: list[Conversation],
+        schema: dict[str, Any],
+        parse: Callable[[str], Any],
+        stage: str,
+        turn: int,
+    ) -> tuple[list[Any], list[_CallLog]]:
+        """Batched structured calls with bounded retries of the unusable ones.
+
+        Returns one parsed value (``None`` if every attempt failed) and one log per conversation.
+        """
+        results: list[Any] = [None] * len(conversations)
+        logs = [_CallLog() for _ in conversations]
+        pending = list(range(len(conversations)))
+        for attempt in range(self.cfg.max_retries + 1):
+            if not pending:
+                break
+            try:
+                generations = self.backend.generate(
+                    [conversations[i] for i in pending], self._sampling(stage, turn, attempt), json_schema=schema
+                )
+                texts: list[str | None] = [g.text for g in generations]
+                problems: list[str | None] = [None] * len(pending)
+            except BackendError as err:
+                texts, problems = [None] * len(pending), [f"backend error: {err}"] * len(pending)
+            still_pending = []
+            for i, text, problem in zip(pending, texts, problems):
+                log = logs[i]
+                log.attempts += 1
+                if text is not None:
+                    log.raw_outputs.append(text)
+                    try:
+                        results[i] = parse(text)
+                        continue
+                    except SimulatorError as err:
+                        problem = str(err)
+                log.failures.append(f"{stage} attempt {attempt + 1}: {problem}")
+                still_pending.append(i)
+            pending = still_pending
+        return results, logs
+
+    def opening_lines(self, scenarios: Sequence[Any]) -> list[str | None]:
+        """The first user message per scenario: its ``opening_line``, else generated.
+
+        Generated lines use one batched structured call (bounded retries);
+        ``None`` marks a scenario whose opening could not be generated.
+        """
+        missing = [i for i, s in enumerate(scenarios) if not getattr(s, "opening_line", None)]
+        lines: list[str | None] = [getattr(s, "opening_line", None) for s in scenarios]
+        if missing:
+            convs = [opening_messages(scenarios[i], self.cfg.initial_emotion) for i in missing]
+            generated, _ = self._structured(convs, OPENING_SCHEMA, parse_opening, "opening", -1)
+            for i, line in zip(missing, generated):
+                lines[i] = line
+        return lines
+
+    def step(self, requests: Sequence[SimulatorRequest]) -> list[SimulatorTurn]:
+        """React to the latest policy reply of each request: appraise, update, reply.
+
+        One batched appraise call (plus retries), the update rule in code, one
+        batched reply call (plus retries). Returns one :class:`SimulatorTurn` per
+        request, in order. Raises ``ValueError`` if a history does not end with
+        an assistant message.
+        """
+        for request in requests:
+            if not request.history or request.history[-1]["role"] != "assistant":
+                raise ValueError(f"{request.dialogue_id}: history must end with the policy reply")
+        turn_index = max((r.turn for r in requests), default=0)
+        appraisals, appraise_logs = self._structured(
+            [appraise_messages(r, self.cfg.difficulty) for r in requests],
+            APPRAISAL_SCHEMA, parse_appraisal, "appraise", turn_index,
+        )
+        updated = [
+            apply_change(r.emotion, a["change"]) if a is not None else (None, r.emotion)
+            for r, a in zip(requests, appraisals)
+        ]
+        ok = [i for i, a in enumerate(appraisals) if a is not None]
+        replies: list[Any] = [None] * len(requests)
+        reply_logs = [_CallLog() for _ in requests]
+        if ok:
+            got, logs = self._structured(
+                [reply_messages(requests[i], appraisals[i], updated[i][1]) for i in ok],
+                REPLY_SCHEMA, parse_reply, "reply", turn_index,
+            )
+            for i, reply, log in zip(ok, got, logs):
+                replies[i], reply_logs[i] = reply, log
+        return [
+            self._turn(r, a, u, rep, alog, rlog)
+            for r, a, u, rep, alog, rlog in zip(requests, appraisals, updated, replies, appraise_logs, reply_logs)
+        ]
+
+    @staticmethod
+    def _turn(request, appraisal, updated, reply, appraise_log, reply_log) -> SimulatorTurn:
+        change, emotion = updated
+        error = None
+        if appraisal is None:
+            error = "appraisal unusable after retries: " + "; ".join(appraise_log.failures)
+        elif reply is None:
+            error = "reply unusable after retries: " + "; ".join(reply_log.failures)
+        private = dict(appraisal or {})
+        if reply is not None:
+            private["reply_reasoning"] = reply["reasoning"]
+        return SimulatorTurn(
+            dialogue_id=request.dialogue_id,
+            change=change,
+            raw_change=appraisal["change"] if appraisal else None,
+            emotion_before=request.emotion,
+            emotion=emotion,
+            label=label_for(emotion),
+            appraisal=private,
+            reply=reply["message"] if reply else None,
+            goodbye=bool(reply and reply["end_conversation"]),
+            raw_outputs=appraise_log.raw_outputs + reply_log.raw_outputs,
+            attempts=appraise_log.attempts + reply_log.attempts,
+            failures=appraise_log.failures + reply_log.failures,
+            error=error,
+        )
+
+
+# ---------------------------------------------------------------------------
+# the deterministic rule simulator
+
+DEFAULT_OPENING = {"en": "Hi. I have something on my mind and I need to talk.", "zh": "你好，我心里有点事，想找人聊聊。"}
+RULE_REPLIES = {
+    "en": {"S": "Thank you, I feel much better. Goodbye!", "F": "Forget it. Goodbye.", "other": "Okay. Tell me more."},
+    "zh": {"S": "谢谢你，我好多了。再见！", "F": "算了，再见。", "other": "嗯，然后呢？"},
+}
+
+
+def default_change_fn(policy_reply: str) -> int:
+    """The rule simulator's default change: +10 if the reply ends with a question mark, else -5."""
+    return 10 if policy_reply.rstrip().endswith(("?", "？")) else -5
+
+
+class RuleSimulator:
+    """A deterministic stand-in with the simulator interface (tests, learning checks).
+
+    ``change_fn(policy_reply) -> int`` gives the raw change (clamped by the update
+    rule). ``reply_fn(request, emotion) -> (message, goodbye)`` optionally scripts
+    the user's message and goodbye flag; by default the message depends on the
+    label and the user never says goodbye (success/failure still end a dialogue).
+    """
+
+    def __init__(
+        self,
+        change_fn: Callable[[str], int] = default_change_fn,
+        reply_fn: Callable[[SimulatorRequest, int], tuple[str, bool]] | None = None,
+    ):
+        self.change_fn = change_fn
+        self.reply_fn = reply_fn
+
+    def opening_lines(self, scenarios: Sequence[Any]) -> list[str | None]:
+        """The scenario's opening line, else a fixed greeting in its language."""
+        return [getattr(s, "opening_line", None) or DEFAULT_OPENING[_language(s)] for s in scenarios]
+
+    def step(self, requests: Sequence[SimulatorRequest]) -> list[SimulatorTurn]:
+        """Apply ``change_fn`` to each latest policy reply, then the update rule."""
+        turns = []
+        for request in requests:
+            raw = self.change_fn(request.history[-1]["content"])
+            change, emotion = apply_change(request.emotion, raw)
+            label = label_for(emotion)
+            if self.reply_fn is not None:
+                message, goodbye = self.reply_fn(request, emotion)
+            else:
+                replies = RULE_REPLIES[_language(request.scenario)]
+                message, goodbye = replies.get(label, replies["other"]), False
+            turns.append(
+                SimulatorTurn(
+                    dialogue_id=request.dialogue_id, change=change, raw_change=raw,
+                    emotion_before=request.emotion, emotion=emotion, label=label,
+                    appraisal={"rule": getattr(self.change_fn, "__name__", "change_fn")},
+                    reply=message, goodbye=goodbye,
+                )
+            )
+        return turns
+
+
+def build_simulator(sim_cfg: SimulatorConfig, *, seed: int, backend: ChatBackend | None = None):
+    """The simulator a config asks for.
+
+    ``sim_cfg.backend == "rule"`` -> :class:`RuleSimulator` with
+    :func:`default_change_fn`; otherwise :class:`UserSimulator` over ``backend``
+    or, when not given, ``rlver_lib.models.make_simulator_backend(sim_cfg, seed)``.
+    """
+    if sim_cfg.backend == "rule":
+        return RuleSimulator()
+    if backend is None:
+        from .models import make_simulator_backend
+
+        backend = make_simulator_backend(sim_cfg, seed)
+    return UserSimulator(backend, sim_cfg, seed=seed)
