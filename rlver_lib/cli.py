@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .config import ConfigError, RunConfig, load_config, parse_override
+from .config import ConfigError, RunConfig, load_config
 from .workbench import PipelineError, load_grid, run_ablation, run_pipeline
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -43,9 +43,8 @@ def configure_threads(threads: int | None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _load(path: str, overrides: list[str], extra: dict | None = None) -> RunConfig:
-    merged = dict(parse_override(o) for o in overrides)
-    cfg = load_config(path, {**(extra or {}), **merged})
+def _load(path: str, overrides: list[str]) -> RunConfig:
+    cfg = load_config(path, overrides)
     configure_threads(cfg.threads)
     return cfg
 
@@ -58,15 +57,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    overrides = dict(parse_override(o) for o in args.set)
-    base = load_config(args.params, overrides)
-    extra = {"stages": ["scenarios", "baseline", "analysis"]}
-    if "run_name" not in overrides:
-        extra["run_name"] = f"{base.run_name}-eval"
-    cfg = _load(args.params, args.set, extra)
-    report = run_pipeline(cfg, params_file=args.params, progress=not args.no_progress)
-    print(f"report: {report}")
-    return 0
+    cfg = _load(args.params, args.set)
+    from .evaluation import eval_command
+
+    return eval_command(cfg)
 
 
 def _cmd_ablate(args: argparse.Namespace) -> int:
@@ -103,17 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlver", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def with_params(name: str, help_text: str, positional: str) -> argparse.ArgumentParser:
+    def with_params(name: str, help_text: str, positional: str,
+                    progress: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument(positional)
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="dotted config override, e.g. training.steps=4 (repeatable)")
-        p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+        if progress:
+            p.add_argument("--no-progress", action="store_true", help="hide progress bars")
         return p
 
     with_params("run", "run the pipeline notebooks for a params file", "params") \
         .set_defaults(func=_cmd_run)
-    with_params("eval", "run the benchmark alone (base model or policy.adapter)", "params") \
+    with_params("eval", "the benchmark alone (base model, or policy.adapter) -> "
+                "outputs/<run_name>/eval/<label>/", "params", progress=False) \
         .set_defaults(func=_cmd_eval)
     with_params("ablate", "run every cell of an ablation grid, then compare", "grid") \
         .set_defaults(func=_cmd_ablate)

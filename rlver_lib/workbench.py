@@ -43,9 +43,9 @@ import yaml
 from nbconvert import HTMLExporter
 from nbconvert.preprocessors import TagRemovePreprocessor
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
-from .config import ConfigError, RunConfig, build_config, dump_config
+from .config import ConfigError, RunConfig, build_config, dump_config, load_config
 from .io import atomic_write_json, atomic_write_text
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +105,25 @@ def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
         Stage("analysis", "06_analysis.ipynb", "06_analysis.ipynb", None),
     ]
     return [s for s in every if s.name in cfg.stages]
+
+
+def open_run(params_file: str | Path, run_dir: str | Path | None = None,
+             overrides: dict[str, Any] | list[str] | None = None) -> tuple[RunConfig, Path]:
+    """What a notebook's first cell calls: the config and the absolute run folder.
+
+    ``run_dir`` (given by :func:`run_pipeline`) wins; otherwise a relative
+    ``output_root`` is taken from the project root, so a notebook opened in
+    JupyterLab from ``notebooks/`` writes where ``rlver run`` would. The returned
+    config has ``output_root``/``run_name`` pointing at that folder, so
+    ``cfg.run_dir`` is absolute. Raises :class:`ConfigError` on a bad params file.
+    """
+    cfg = load_config(params_file, overrides)
+    if run_dir is None:
+        root = Path(cfg.output_root)
+        run_dir = (root if root.is_absolute() else PROJECT_ROOT / root) / cfg.run_name
+    run_dir = Path(run_dir).resolve()
+    cfg.output_root, cfg.run_name = str(run_dir.parent), run_dir.name
+    return cfg, run_dir
 
 
 # --------------------------------------------------------------------------- manifest
