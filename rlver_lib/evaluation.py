@@ -550,7 +550,7 @@ def _math_accuracy(result: MathResult | str | Path) -> dict[str, Any]:
 
 
 def compare_math(base: MathResult | str | Path, trained: MathResult | str | Path) -> pd.DataFrame:
-    """Base vs trained policy side by side: rows ``base`` and ``trained`` with
+    """Base vs trained policy side by side (paper §5: skills are kept): rows ``base`` and ``trained`` with
     ``accuracy, low, high, n``, and the ``delta`` (trained minus base) column.
     Accepts results or paths to their ``math.json``."""
     rows = {name: _math_accuracy(r) for name, r in (("base", base), ("trained", trained))}
@@ -562,43 +562,74 @@ def compare_math(base: MathResult | str | Path, trained: MathResult | str | Path
 # --------------------------------------------------------------------------- rlver eval
 
 
-def eval_command(cfg: Any) -> int:
-    """``rlver eval PARAMS.yaml``: the benchmark for the base policy or ``cfg.policy.adapter``.
+def build_simulator(sim_cfg: Any, seed: int) -> Any:
+    """The simulated user a config asks for: ``rollout.RuleSimulator`` (default change
+    function, no model) when ``sim_cfg.backend == "rule"``, else an LLM
+    ``simulator.UserSimulator`` over ``models.make_simulator_backend``."""
+    if sim_cfg.backend == "rule":
+        from rlver_lib.rollout import RuleSimulator
 
-    Writes ``<run_dir>/eval/<label>/`` (``label`` = ``trained`` with an adapter, else
-    ``base``): the benchmark files of :func:`run_benchmark`, ``math.json`` when
-    ``cfg.evaluation.math_retention``, and ``<run_dir>/figures/eval_<label>_*.png``.
-    Prints the headline figures and returns 0.
-    """
-    from rlver_lib import analysis
-    from rlver_lib.models import load_policy, make_policy_backend, make_simulator_backend
-    from rlver_lib.scenarios import load_scenarios
+        return RuleSimulator()
+    from rlver_lib.models import make_simulator_backend
     from rlver_lib.simulator import UserSimulator
 
-    label = "trained" if cfg.policy.adapter else "base"
+    return UserSimulator(make_simulator_backend(sim_cfg, seed), sim_cfg, seed=seed)
+
+
+@dataclass
+class Evaluation:
+    """One evaluated policy: the benchmark result and the maths retention (or ``None``)."""
+
+    benchmark: BenchmarkResult
+    math: MathResult | None
+
+
+def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation:
+    """The benchmark (and maths retention) of ``cfg.policy`` (with ``cfg.policy.adapter``
+    when set) on ``cfg.scenarios.test``, written to ``<run_dir>/eval/<label>/``.
+
+    ``label`` defaults to ``trained`` with an adapter, else ``baseline``.  Writes the
+    files of :func:`run_benchmark`, ``math.json`` when ``cfg.evaluation.math_retention``,
+    and ``<run_dir>/figures/eval_<label>_{trajectory,breakdown}.png``.
+    """
+    from rlver_lib import analysis
+    from rlver_lib.models import load_policy, make_policy_backend
+    from rlver_lib.scenarios import load_scenarios
+
+    label = label or ("trained" if cfg.policy.adapter else "baseline")
     out_dir = cfg.run_dir / "eval" / label
     model, tokenizer = load_policy(cfg.policy)
     policy = make_policy_backend(cfg.policy, model, tokenizer)
-    simulator = UserSimulator(make_simulator_backend(cfg.simulator, cfg.seed), cfg.simulator, seed=cfg.seed)
     scenarios = load_scenarios(cfg.scenarios.test)[: cfg.scenarios.limit_test]
     sampling = SamplingParams(temperature=cfg.policy.temperature, top_p=cfg.policy.top_p,
                               max_new_tokens=cfg.policy.max_new_tokens, seed=cfg.seed)
-    result = run_benchmark(policy, simulator, scenarios, cfg.evaluation, sampling=sampling,
-                           think=cfg.policy.think, seed=cfg.seed, out_dir=out_dir, label=label)
+    result = run_benchmark(policy, build_simulator(cfg.simulator, cfg.seed), scenarios,
+                           cfg.evaluation, sampling=sampling, think=cfg.policy.think,
+                           seed=cfg.seed, out_dir=out_dir, label=label)
     figures = cfg.run_dir / "figures"
     traj = result.summary.trajectory.assign(label=label)
     analysis.save_figure(analysis.plot_emotion_trajectories(traj), figures / f"eval_{label}_trajectory.png")
-    analysis.save_figure(analysis.plot_breakdown(result.summary.breakdown.assign(label=label)),
+    analysis.save_figure(analysis.plot_breakdown(result.summary.breakdown),
                          figures / f"eval_{label}_breakdown.png")
+    math = None
     if cfg.evaluation.math_retention:
         problems = load_math_problems(limit=cfg.evaluation.math_n)
         math = math_retention(policy, problems, max_new_tokens=cfg.evaluation.math_max_new_tokens,
                               seed=cfg.seed, n_boot=cfg.evaluation.bootstrap_samples,
                               confidence=cfg.evaluation.confidence)
         atomic_write_json(out_dir / "math.json", math.to_dict())
-    s = result.summary
-    print(f"{label}: Sentient score {s.sentient_score.value:.1f} "
+    return Evaluation(result, math)
+
+
+def eval_command(cfg: Any, *, label: str | None = None) -> int:
+    """``rlver eval PARAMS.yaml``: run :func:`evaluate`, print the headline figures, return 0."""
+    ev = evaluate(cfg, label=label)
+    s = ev.benchmark.summary
+    print(f"{ev.benchmark.label}: Sentient score {s.sentient_score.value:.1f} "
           f"[{s.sentient_score.low:.1f}, {s.sentient_score.high:.1f}], "
           f"success {s.n_success}/{s.n}, failure {s.n_failure}/{s.n}, "
-          f"mean turns {s.mean_turns.value:.2f} -> {out_dir}")
+          f"mean turns {s.mean_turns.value:.2f} -> {ev.benchmark.out_dir}")
+    if ev.math is not None:
+        a = ev.math.accuracy
+        print(f"maths retention: accuracy {a.value:.3f} [{a.low:.3f}, {a.high:.3f}] on {len(ev.math.table)} problems")
     return 0
