@@ -5,12 +5,32 @@ A backend takes a batch of chat conversations (each a list of
 per conversation, in order.  Sampling settings and the seed come in a
 :class:`SamplingParams`; ``json_schema`` optionally constrains the output to a JSON
 object of that schema (structured output).
+
+Implementations (DESIGN §3 "backends"):
+
+- :class:`TransformersBackend` — local HF model (plain or ``peft.PeftModel``),
+  batched left-padded ``generate``, token ids and log-probs for training,
+  structured output through an xgrammar logits processor;
+- :class:`LlamaCppBackend` — in-process llama.cpp over a GGUF file (CPU);
+- :class:`OpenAIBackend` — any OpenAI-compatible ``/v1/chat/completions`` server
+  (vLLM ``serve``, llama.cpp server, SGLang, hosted APIs) with timeouts, bounded
+  retries and concurrent requests;
+- ``VLLMBackend`` in :mod:`rlver_lib.vllm_backend` (GPU, imported lazily).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal, Protocol, Sequence, runtime_checkable
+
+log = logging.getLogger(__name__)
 
 Message = dict[str, str]
 Conversation = list[Message]
@@ -63,3 +83,388 @@ class ChatBackend(Protocol):
     ) -> list[Generation]:
         """Return one :class:`Generation` per conversation, in the same order."""
         ...
+
+
+class BackendError(RuntimeError):
+    """A backend call that failed after its bounded retries.
+
+    ``results`` holds, for a batched call, the generations that did succeed
+    (``None`` where a conversation failed), so a caller can keep them;
+    ``status`` is the HTTP status of a rejected request (HTTP backends).
+    """
+
+    def __init__(self, message: str, results: list[Generation | None] | None = None,
+                 status: int | None = None):
+        super().__init__(message)
+        self.results = results
+        self.status = status
+
+
+def _conversation_seed(seed: int | None, index: int) -> int | None:
+    """Seed of the ``index``-th conversation of a batch: ``seed + index`` (or ``None``)."""
+    return None if seed is None else seed + index
+
+
+# ---------------------------------------------------------------- transformers
+
+
+@lru_cache(maxsize=8)
+def _grammar_compiler(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]):
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids)
+    )
+    return xgr.GrammarCompiler(info)
+
+
+class TransformersBackend:
+    """Local Hugging Face chat model: batched, left-padded ``generate``.
+
+    ``model`` is a causal LM or a ``peft.PeftModel`` (the trainer hands its live
+    LoRA model in; generation runs in eval mode under ``torch.inference_mode`` and
+    the training mode is restored afterwards). Conversations are rendered with
+    ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``.
+
+    Sampling: ``temperature == 0`` is greedy; otherwise multinomial sampling at
+    ``temperature`` with nucleus ``top_p`` and no top-k cut, so the sampling
+    distribution is the policy's own. With a ``seed`` the call runs under a forked
+    torch RNG seeded with it (same seed and inputs -> same outputs; the caller's
+    RNG state is left untouched).
+
+    Each :class:`Generation` carries ``prompt_ids`` (the exact context, without
+    padding), ``completion_ids`` (without padding, ending with the end-of-turn
+    token when ``finish_reason == "stop"``) and ``logprobs``: for each completion
+    id, ``log_softmax(logits / T)`` of the unconstrained model at the sampling
+    temperature ``T`` (``T = 1`` for greedy) — what a training forward pass over
+    ``prompt_ids + completion_ids`` recomputes. With a ``json_schema`` the tokens
+    are drawn from the grammar-masked distribution (xgrammar logits processor,
+    compact JSON without free whitespace).
+    """
+
+    def __init__(self, model, tokenizer, *, device=None):
+        import torch
+
+        self.model = model
+        self.tokenizer = tokenizer
+        if device is not None:
+            model.to(device)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.eos_ids = self._end_of_turn_ids()
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.policy_step = 0
+
+    def _end_of_turn_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            ids.update([value] if isinstance(value, int) else value or [])
+        if not ids:
+            raise ValueError("the tokenizer and generation config define no end-of-sequence token")
+        return tuple(sorted(ids))
+
+    def prompt_ids(self, conversation: Conversation) -> list[int]:
+        """Token ids of ``conversation`` with the chat template and generation prompt."""
+        ids = self.tokenizer.apply_chat_template(
+            list(conversation), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def _json_processor(self, json_schema: dict[str, Any]):
+        import xgrammar as xgr
+        from transformers import LogitsProcessorList
+
+        compiler = _grammar_compiler(
+            self.tokenizer, int(self.model.config.vocab_size), self.eos_ids
+        )
+        grammar = compiler.compile_json_schema(json.dumps(json_schema), any_whitespace=False)
+        return LogitsProcessorList([xgr.contrib.hf.LogitsProcessor(grammar)])
+
+    def generate(
+        self,
+        conversations: Sequence[Conversation],
+        sampling: SamplingParams,
+        json_schema: dict[str, Any] | None = None,
+    ) -> list[Generation]:
+        """Generate one completion per conversation in a single batched call.
+
+        Raises :class:`ValueError` on an empty conversation.
+        """
+        import torch
+
+        if not conversations:
+            return []
+        if any(not conv for conv in conversations):
+            raise ValueError("every conversation needs at least one message")
+        prompts = [self.prompt_ids(conv) for conv in conversations]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention_mask[row, width - len(ids):] = 1
+        greedy = sampling.temperature == 0
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
+            pad_token_id=self.pad_id, eos_token_id=list(self.eos_ids),
+            return_dict_in_generate=True, output_logits=True, repetition_penalty=1.0,
+        )
+        if not greedy:
+            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+        if json_schema is not None:
+            kwargs["logits_processor"] = self._json_processor(json_schema)
+
+        was_training = self.model.training
+        self.model.eval()
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.inference_mode(), torch.random.fork_rng(devices=devices):
+                if sampling.seed is not None:
+                    torch.manual_seed(sampling.seed)
+                out = self.model.generate(
+                    input_ids=input_ids.to(self.device),
+                    attention_mask=attention_mask.to(self.device), **kwargs,
+                )
+        finally:
+            self.model.train(was_training)
+        new_tokens = out.sequences[:, width:].cpu()
+        logprobs = self._token_logprobs(out.logits, new_tokens, 1.0 if greedy else sampling.temperature)
+        return [
+            self._generation(prompts[row], new_tokens[row].tolist(), logprobs[row].tolist())
+            for row in range(len(prompts))
+        ]
+
+    @staticmethod
+    def _token_logprobs(step_logits, new_tokens, temperature: float):
+        """``(batch, steps)`` log-probabilities of the sampled tokens at ``temperature``."""
+        import torch
+
+        columns = [
+            torch.log_softmax(logits.float().cpu() / temperature, dim=-1)
+            .gather(-1, new_tokens[:, step:step + 1]).squeeze(-1)
+            for step, logits in enumerate(step_logits)
+        ]
+        return torch.stack(columns, dim=1)
+
+    def _generation(self, prompt: list[int], new: list[int], logprobs: list[float]) -> Generation:
+        end = next((i for i, tok in enumerate(new) if tok in self.eos_ids), None)
+        cut = len(new) if end is None else end + 1
+        completion = new[:cut]
+        return Generation(
+            text=self.tokenizer.decode(completion, skip_special_tokens=True),
+            prompt_ids=prompt, completion_ids=completion, logprobs=logprobs[:cut],
+            finish_reason="length" if end is None else "stop",
+            meta={"policy_step": self.policy_step},
+        )
+
+    def sync_policy(self, model, step: int) -> None:
+        """Record the trainer's step; the live model is shared, so nothing is copied.
+
+        Raises :class:`ValueError` when ``model`` is not the model this backend
+        generates with (a wrapper's ``.module`` counts as the same model).
+        """
+        if getattr(model, "module", model) is not getattr(self.model, "module", self.model):
+            raise ValueError("TransformersBackend generates with the live model it was built "
+                             "with; sync_policy must be given that same model")
+        self.policy_step = step
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+
+class LlamaCppBackend:
+    """In-process llama.cpp over a GGUF file (CPU), for frozen models such as the simulator.
+
+    llama.cpp in-process has no batch API: the conversations of a call are run
+    **sequentially**, conversation ``i`` with seed ``sampling.seed + i`` (or the
+    backend's running RNG, seeded with ``seed`` at construction, when the sampling
+    seed is ``None``). ``json_schema`` is turned into a llama.cpp grammar.
+
+    Known limits of llama-cpp-python 0.3.36's schema-to-grammar converter, which
+    callers must design schemas around: integer ``minimum``/``maximum`` are ignored
+    (write a bounded integer as an ``enum``, e.g. ``list(range(-10, 11))``), and raw
+    newlines are allowed inside strings (JSON-parse with ``strict=False``).
+    Token ids and log-probs are not returned; ``meta`` holds the token usage.
+    Raises :class:`FileNotFoundError` for a missing model file and
+    :class:`BackendError` when llama.cpp rejects a request (e.g. context overflow).
+    """
+
+    def __init__(self, model_path: str | Path, *, n_ctx: int = 4096,
+                 n_threads: int | None = None, seed: int = 0):
+        from llama_cpp import Llama
+
+        path = Path(model_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF model file not found: {path}")
+        self.model_path = path
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=n_threads,
+                         n_threads_batch=n_threads, seed=seed, verbose=False)
+
+    def generate(
+        self,
+        conversations: Sequence[Conversation],
+        sampling: SamplingParams,
+        json_schema: dict[str, Any] | None = None,
+    ) -> list[Generation]:
+        """Run each conversation in turn; see the class notes for seeding and schemas."""
+        response_format = None if json_schema is None else {"type": "json_object", "schema": json_schema}
+        results = []
+        for index, conversation in enumerate(conversations):
+            try:
+                response = self.llm.create_chat_completion(
+                    messages=list(conversation), temperature=sampling.temperature,
+                    top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
+                    seed=_conversation_seed(sampling.seed, index), response_format=response_format,
+                )
+            except ValueError as err:
+                raise BackendError(f"llama.cpp rejected conversation {index}: {err}") from err
+            choice = response["choices"][0]
+            results.append(Generation(
+                text=choice["message"]["content"] or "",
+                finish_reason=choice["finish_reason"] or "stop",
+                meta={"usage": dict(response["usage"])},
+            ))
+        return results
+
+
+# ---------------------------------------------------------------- OpenAI-compatible HTTP
+
+_RETRY_STATUS = frozenset({408, 409, 429}) | frozenset(range(500, 600))
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible ``/v1/chat/completions`` server over HTTP (httpx).
+
+    ``base_url`` is the server root or its ``/v1`` root. Conversations of a call are
+    sent concurrently (a thread pool of ``concurrency`` workers); results keep the
+    input order. Each request has a ``timeout_s`` (seconds) timeout and is retried
+    at most ``max_retries`` times on connection errors, timeouts, HTTP 408/409/429
+    and 5xx, with exponential backoff ``backoff_s * 2**attempt`` (capped at 30 s);
+    other HTTP errors fail at once. A request that still fails makes the call raise
+    :class:`BackendError` (after the other requests have finished; their
+    generations are in ``err.results``).
+
+    Structured output: ``response_format`` ``"json_schema"`` sends the OpenAI form
+    ``{"type": "json_schema", "json_schema": {...}}`` (vLLM, SGLang, hosted APIs);
+    ``"json_object"`` sends ``{"type": "json_object", "schema": ...}`` (llama.cpp's
+    Python server); ``"auto"`` (default) starts with the first and switches to the
+    second for good when the server answers 400/422 to it.
+    Conversation ``i`` is sent with ``seed = sampling.seed + i``. ``meta`` holds
+    ``attempts`` and the server's ``usage``.
+    """
+
+    def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
+                 timeout_s: float = 120.0, max_retries: int = 2, concurrency: int = 8,
+                 backoff_s: float = 0.5,
+                 response_format: Literal["auto", "json_schema", "json_object"] = "auto"):
+        import httpx
+
+        if max_retries < 0 or concurrency < 1 or timeout_s <= 0:
+            raise ValueError("need max_retries >= 0, concurrency >= 1 and timeout_s > 0")
+        root = base_url.rstrip("/")
+        self.url = f"{root}/chat/completions" if root.endswith("/v1") else f"{root}/v1/chat/completions"
+        self.model = model
+        self.max_retries, self.concurrency, self.backoff_s = max_retries, concurrency, backoff_s
+        self._schema_style = "json_schema" if response_format == "auto" else response_format
+        self._auto_format = response_format == "auto"
+        self._lock = threading.Lock()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(
+            headers=headers, timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=concurrency),
+        )
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        self.client.close()
+
+    def __enter__(self) -> "OpenAIBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _response_format(self, json_schema: dict[str, Any]) -> dict[str, Any]:
+        if self._schema_style == "json_object":
+            return {"type": "json_object", "schema": json_schema}
+        return {"type": "json_schema",
+                "json_schema": {"name": "response", "schema": json_schema, "strict": True}}
+
+    def _post(self, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """POST with bounded retries; returns ``(response JSON, attempts)``."""
+        import httpx
+
+        cause = ""
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = self.client.post(self.url, json=body)
+            except httpx.TransportError as err:
+                cause = f"{type(err).__name__}: {err}"
+            else:
+                if response.status_code == 200:
+                    return response.json(), attempt + 1
+                cause = f"HTTP {response.status_code}: {response.text[:300]}"
+                if response.status_code not in _RETRY_STATUS:
+                    raise BackendError(f"{self.url}: {cause}", status=response.status_code)
+            if attempt < self.max_retries:
+                delay = min(self.backoff_s * 2**attempt, 30.0)
+                log.warning("%s: attempt %d failed (%s); retrying in %.1f s",
+                            self.url, attempt + 1, cause, delay)
+                time.sleep(delay)
+        raise BackendError(f"{self.url}: failed after {self.max_retries + 1} attempts: {cause}")
+
+    def _complete(self, conversation: Conversation, sampling: SamplingParams,
+                  json_schema: dict[str, Any] | None, seed: int | None) -> Generation:
+        body: dict[str, Any] = {
+            "model": self.model, "messages": list(conversation),
+            "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "max_tokens": sampling.max_new_tokens,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        if json_schema is not None:
+            body["response_format"] = self._response_format(json_schema)
+        try:
+            data, attempts = self._post(body)
+        except BackendError as err:
+            if not (self._auto_format and json_schema is not None and err.status in (400, 422)):
+                raise
+            with self._lock:
+                self._schema_style, self._auto_format = "json_object", False
+            log.info("%s rejected response_format json_schema; using json_object", self.url)
+            body["response_format"] = self._response_format(json_schema)
+            data, attempts = self._post(body)
+        try:
+            choice = data["choices"][0]
+            text = choice["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError) as err:
+            raise BackendError(f"{self.url}: malformed response {str(data)[:300]}") from err
+        return Generation(text=text, finish_reason=choice.get("finish_reason") or "stop",
+                          meta={"attempts": attempts, "usage": data.get("usage") or {}})
+
+    def generate(
+        self,
+        conversations: Sequence[Conversation],
+        sampling: SamplingParams,
+        json_schema: dict[str, Any] | None = None,
+    ) -> list[Generation]:
+        """Send the conversations concurrently; see the class notes."""
+        if not conversations:
+            return []
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(conversations))) as pool:
+            futures = [
+                pool.submit(self._complete, conv, sampling, json_schema,
+                            _conversation_seed(sampling.seed, i))
+                for i, conv in enumerate(conversations)
+            ]
+        results: list[Generation | None] = []
+        errors = []
+        for index, future in enumerate(futures):
+            err = future.exception()
+            results.append(None if err else future.result())
+            if err:
+                errors.append(f"conversation {index}: {err}")
+        if errors:
+            raise BackendError(f"{len(errors)} of {len(futures)} requests failed; " + "; ".join(errors[:3]),
+                               results=results)
+        return results  # type: ignore[return-value]
