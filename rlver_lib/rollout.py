@@ -191,6 +191,7 @@ class Trajectory:
         "format_problem", "raw"}``; user turns ``{"role": "user", "content",
         "change", "raw_change", "emotion_before", "emotion", "label",
         "appraisal", "goodbye", "attempts", "raw_outputs", "failures", "error"}``.
+        ``policy_turns`` counts the assistant entries.
         """
         return {
             "dialogue_id": self.dialogue_id,
@@ -202,6 +203,7 @@ class Trajectory:
             "reward": self.reward,
             "termination": self.termination,
             "format_violations": self.format_violations,
+            "policy_turns": sum(t["role"] == "assistant" for t in self.turns),
         }
 
 

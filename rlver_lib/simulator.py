@@ -221,7 +221,7 @@ def _system_prompt(scenario: Any, emotion: int) -> str:
     return _fill(
         f"sim_system_{language}.txt",
         persona=scenario.persona,
-        situation=scenario.situation,
+        situation=getattr(scenario, "situation_text", None) or scenario.situation,
         personality=personality,
         personality_text=vocab["personalities"].get(personality, ""),
         intention=scenario.intention_text,
@@ -346,6 +346,11 @@ def parse_opening(text: str) -> str:
     return _string_field(_json_object(text), "message", allow_empty=False)
 
 
+def _turn_index(requests: Sequence[SimulatorRequest]) -> int:
+    """The turn used for seeding: requests of one batched call share their turn."""
+    return max((r.turn for r in requests), default=0)
+
+
 @dataclass
 class _CallLog:
     raw_outputs: list[str] = field(default_factory=list)
@@ -434,6 +439,32 @@ class UserSimulator:
                 lines[i] = line
         return lines
 
+    def _appraise(self, requests: Sequence[SimulatorRequest]):
+        for request in requests:
+            if not request.history or request.history[-1]["role"] != "assistant":
+                raise ValueError(f"{request.dialogue_id}: history must end with the policy reply")
+        appraisals, logs = self._structured(
+            [appraise_messages(r, self.cfg.difficulty) for r in requests],
+            APPRAISAL_SCHEMA, parse_appraisal, "appraise", _turn_index(requests),
+        )
+        updated = [
+            apply_change(r.emotion, a["change"]) if a is not None else (None, r.emotion)
+            for r, a in zip(requests, appraisals)
+        ]
+        return appraisals, updated, logs
+
+    def appraise(self, requests: Sequence[SimulatorRequest]) -> list[SimulatorTurn]:
+        """The appraise call and the update rule only (``reply=None``, ``goodbye`` False).
+
+        Same seeding as :meth:`step`, so its changes equal the ones ``step`` gives.
+        Raises ``ValueError`` if a history does not end with an assistant message.
+        """
+        appraisals, updated, logs = self._appraise(requests)
+        return [
+            self._turn(r, a, u, None, log, _CallLog(), need_reply=False)
+            for r, a, u, log in zip(requests, appraisals, updated, logs)
+        ]
+
     def step(self, requests: Sequence[SimulatorRequest]) -> list[SimulatorTurn]:
         """React to the latest policy reply of each request: appraise, update, reply.
 
@@ -442,25 +473,14 @@ class UserSimulator:
         request, in order. Raises ``ValueError`` if a history does not end with
         an assistant message.
         """
-        for request in requests:
-            if not request.history or request.history[-1]["role"] != "assistant":
-                raise ValueError(f"{request.dialogue_id}: history must end with the policy reply")
-        turn_index = max((r.turn for r in requests), default=0)
-        appraisals, appraise_logs = self._structured(
-            [appraise_messages(r, self.cfg.difficulty) for r in requests],
-            APPRAISAL_SCHEMA, parse_appraisal, "appraise", turn_index,
-        )
-        updated = [
-            apply_change(r.emotion, a["change"]) if a is not None else (None, r.emotion)
-            for r, a in zip(requests, appraisals)
-        ]
+        appraisals, updated, appraise_logs = self._appraise(requests)
         ok = [i for i, a in enumerate(appraisals) if a is not None]
         replies: list[Any] = [None] * len(requests)
         reply_logs = [_CallLog() for _ in requests]
         if ok:
             got, logs = self._structured(
                 [reply_messages(requests[i], appraisals[i], updated[i][1]) for i in ok],
-                REPLY_SCHEMA, parse_reply, "reply", turn_index,
+                REPLY_SCHEMA, parse_reply, "reply", _turn_index(requests),
             )
             for i, reply, log in zip(ok, got, logs):
                 replies[i], reply_logs[i] = reply, log
@@ -470,12 +490,12 @@ class UserSimulator:
         ]
 
     @staticmethod
-    def _turn(request, appraisal, updated, reply, appraise_log, reply_log) -> SimulatorTurn:
+    def _turn(request, appraisal, updated, reply, appraise_log, reply_log, *, need_reply=True) -> SimulatorTurn:
         change, emotion = updated
         error = None
         if appraisal is None:
             error = "appraisal unusable after retries: " + "; ".join(appraise_log.failures)
-        elif reply is None:
+        elif reply is None and need_reply:
             error = "reply unusable after retries: " + "; ".join(reply_log.failures)
         private = dict(appraisal or {})
         if reply is not None:
@@ -554,19 +574,3 @@ class RuleSimulator:
                 )
             )
         return turns
-
-
-def build_simulator(sim_cfg: SimulatorConfig, *, seed: int, backend: ChatBackend | None = None):
-    """The simulator a config asks for.
-
-    ``sim_cfg.backend == "rule"`` -> :class:`RuleSimulator` with
-    :func:`default_change_fn`; otherwise :class:`UserSimulator` over ``backend``
-    or, when not given, ``rlver_lib.models.make_simulator_backend(sim_cfg, seed)``.
-    """
-    if sim_cfg.backend == "rule":
-        return RuleSimulator()
-    if backend is None:
-        from .models import make_simulator_backend
-
-        backend = make_simulator_backend(sim_cfg, seed)
-    return UserSimulator(backend, sim_cfg, seed=seed)

@@ -1,0 +1,279 @@
+"""The affective simulated user: update rule, structured parsing, bounded retries, seeding.
+
+Model-free (scripted fake backends); runs in about a second.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlver_lib.backends import Generation
+from rlver_lib.config import SimulatorConfig
+from rlver_lib.scenarios import Scenario
+from rlver_lib.simulator import (
+    BackendError,
+    RuleSimulator,
+    SimulatorError,
+    SimulatorRequest,
+    UserSimulator,
+    apply_change,
+    default_change_fn,
+    derive_seed,
+    label_for,
+    parse_appraisal,
+    parse_reply,
+)
+
+
+def scenario(sid: str = "s1", language: str = "en", opening_line: str | None = "I had a rough day.") -> Scenario:
+    return Scenario(
+        id=sid, persona=f"Persona of {sid}, a night-shift nurse", situation="Her manager blamed her for a mix-up.",
+        personality="negative", hidden_intention="not_at_fault", opening_line=opening_line, language=language,
+    )
+
+
+def request(sid: str = "s1", emotion: int = 50, turn: int = 0, reply: str = "That sounds hard.", language: str = "en"):
+    history = [{"role": "user", "content": "I had a rough day."}, {"role": "assistant", "content": reply}]
+    return SimulatorRequest(f"{sid}#0", scenario(sid, language), history, emotion, turn)
+
+
+def appraisal_json(change: int, **extra) -> str:
+    return json.dumps({"reply_meaning": "PRIVATE-MEANING", "intention_fit": "PRIVATE-FIT",
+                       "inner_reaction": "PRIVATE-REACTION", "change": change, **extra})
+
+
+def reply_json(message: str | None = "Thanks.", end: bool = False) -> str:
+    obj = {"reasoning": "PRIVATE-REASONING", "end_conversation": end}
+    if message is not None:
+        obj["message"] = message
+    return json.dumps(obj)
+
+
+class ScriptedBackend:
+    """Answers by schema: the appraise schema has 'change', the reply schema 'end_conversation'.
+
+    ``appraise`` / ``reply`` are lists of outputs consumed per call (the last one repeats);
+    every call's conversations, sampling and schema are recorded.
+    """
+
+    def __init__(self, appraise: list[str], reply: list[str] | None = None, opening: list[str] | None = None):
+        self.outputs = {"change": list(appraise), "end_conversation": list(reply or [reply_json()]),
+                        "message": list(opening or ['{"message": "Hello there."}'])}
+        self.calls: list[tuple[list, object, dict | None]] = []
+
+    def generate(self, conversations, sampling, json_schema=None):
+        self.calls.append((conversations, sampling, json_schema))
+        key = next(k for k in ("change", "end_conversation", "message") if k in json_schema["properties"])
+        queue = self.outputs[key]
+        text = queue.pop(0) if len(queue) > 1 else queue[0]
+        return [Generation(text=text) for _ in conversations]
+
+
+class FailingBackend:
+    def __init__(self):
+        self.n_calls = 0
+
+    def generate(self, conversations, sampling, json_schema=None):
+        self.n_calls += 1
+        raise BackendError("connection refused")
+
+
+# --------------------------------------------------------------------------- update rule
+
+@pytest.mark.parametrize("e, label", [(100, "S"), (99, "A"), (70, "A"), (69, "B"), (40, "B"),
+                                      (39, "C"), (10, "C"), (9, "F"), (0, "F")])
+def test_label_thresholds(e, label):
+    assert label_for(e) == label
+
+
+@pytest.mark.parametrize("e, change, expected", [
+    (50, 7, (7, 57)),
+    (50, 25, (10, 60)),      # change clamped to +10
+    (50, -50, (-10, 40)),    # the reference code's -50 turn: clamped to -10
+    (95, 10, (10, 100)),     # ceiling
+    (4, -10, (-10, 0)),      # floor
+    (100, 3, (3, 100)),
+])
+def test_apply_change_clamps_change_then_emotion(e, change, expected):
+    assert apply_change(e, change) == expected
+
+
+@pytest.mark.parametrize("e, change", [(50, 2.5), (50, True), ("50", 1)])
+def test_apply_change_rejects_non_integers(e, change):
+    with pytest.raises(TypeError):
+        apply_change(e, change)
+
+
+def test_default_change_fn():
+    assert default_change_fn("How do you feel?") == 10
+    assert default_change_fn("你还好吗？ ") == 10
+    assert default_change_fn("Get over it.") == -5
+
+
+def test_derive_seed_is_stable_and_distinguishes_parts():
+    assert derive_seed(0, "appraise", 1, 0) == derive_seed(0, "appraise", 1, 0)
+    assert len({derive_seed(0, "appraise", t, a) for t in range(5) for a in range(3)}) == 15
+    assert 0 <= derive_seed("x") < 2**31
+
+
+# --------------------------------------------------------------------------- parsing
+
+def test_parse_appraisal_accepts_valid_and_code_fenced_output():
+    assert parse_appraisal(appraisal_json(-3))["change"] == -3
+    assert parse_appraisal("```json\n" + appraisal_json(4) + "\n```")["change"] == 4
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("I feel better", "invalid JSON"),
+    ("[1, 2]", "JSON object"),
+    (json.dumps({"reply_meaning": "a", "intention_fit": "b", "change": 2}), "inner_reaction"),
+    (appraisal_json(11), "out of range"),
+    (appraisal_json(-11), "out of range"),
+    (appraisal_json("5"), "not an integer"),
+    (appraisal_json(True), "not an integer"),
+])
+def test_parse_appraisal_rejects_unusable_output(text, problem):
+    with pytest.raises(SimulatorError, match=problem):
+        parse_appraisal(text)
+
+
+def test_parse_reply_never_falls_back_to_reasoning():
+    with pytest.raises(SimulatorError, match="message"):
+        parse_reply(reply_json(message=None))
+    with pytest.raises(SimulatorError, match="empty"):
+        parse_reply(reply_json(message="  "))
+    with pytest.raises(SimulatorError, match="end_conversation"):
+        parse_reply(json.dumps({"reasoning": "r", "message": "m", "end_conversation": "yes"}))
+    assert parse_reply(reply_json("Bye.", end=True)) == {"reasoning": "PRIVATE-REASONING", "message": "Bye.",
+                                                          "end_conversation": True}
+
+
+# --------------------------------------------------------------------------- UserSimulator
+
+def test_step_applies_update_rule_and_records_everything():
+    backend = ScriptedBackend([appraisal_json(8)], [reply_json("You get it. Thanks, bye!", end=True)])
+    sim = UserSimulator(backend, SimulatorConfig(), seed=3)
+    [turn] = sim.step([request(emotion=95)])
+    # 95 + 8 = 103 -> ceiling 100
+    assert (turn.raw_change, turn.change, turn.emotion_before, turn.emotion, turn.label) == (8, 8, 95, 100, "S")
+    assert turn.reply == "You get it. Thanks, bye!" and turn.goodbye is True
+    assert turn.appraisal["intention_fit"] == "PRIVATE-FIT" and turn.appraisal["reply_reasoning"] == "PRIVATE-REASONING"
+    assert turn.attempts == 2 and len(turn.raw_outputs) == 2 and turn.error is None
+    # one batched appraise call, one batched reply call; the reply prompt shows the updated label S
+    assert len(backend.calls) == 2
+    reply_prompt = backend.calls[1][0][0][1]["content"]
+    assert "mood S" in reply_prompt and "say goodbye" in reply_prompt
+    assert backend.calls[0][2]["properties"]["change"]["enum"] == list(range(-10, 11))
+
+
+@pytest.mark.timeout(30)
+def test_garbage_output_is_retried_then_recorded_as_error():
+    backend = ScriptedBackend(["not json at all"])
+    sim = UserSimulator(backend, SimulatorConfig(max_retries=2), seed=0)
+    [turn] = sim.step([request(emotion=50)])
+    assert turn.attempts == 3 and turn.raw_outputs == ["not json at all"] * 3 and len(turn.failures) == 3
+    assert turn.error is not None and "appraisal" in turn.error
+    assert turn.change is None and turn.raw_change is None and turn.emotion == 50 and turn.reply is None
+    assert len(backend.calls) == 3  # no reply call after a failed appraisal
+    # each retry is a fresh seed
+    assert len({call[1].seed for call in backend.calls}) == 3
+
+
+@pytest.mark.timeout(30)
+def test_backend_errors_are_bounded_and_recorded():
+    backend = FailingBackend()
+    [turn] = UserSimulator(backend, SimulatorConfig(max_retries=1), seed=0).step([request()])
+    assert backend.n_calls == 2 and turn.attempts == 2 and turn.raw_outputs == []
+    assert "connection refused" in turn.error
+
+
+def test_retry_succeeds_after_an_unusable_output():
+    backend = ScriptedBackend(["{broken", appraisal_json(-4)])
+    [turn] = UserSimulator(backend, SimulatorConfig(max_retries=2), seed=0).step([request(emotion=50)])
+    assert turn.error is None and turn.change == -4 and turn.emotion == 46
+    assert turn.raw_outputs[0] == "{broken" and turn.attempts == 3  # 2 appraise + 1 reply
+    assert turn.failures == [turn.failures[0]] and turn.failures[0].startswith("appraise attempt 1")
+
+
+def test_missing_reply_field_is_a_failure_not_a_leak():
+    backend = ScriptedBackend([appraisal_json(3)], [reply_json(message=None)])
+    [turn] = UserSimulator(backend, SimulatorConfig(max_retries=2), seed=0).step([request(emotion=50)])
+    assert turn.reply is None and turn.error is not None and "reply" in turn.error
+    assert turn.attempts == 1 + 3
+    assert turn.change == 3 and turn.emotion == 53  # the appraisal itself was genuine
+
+
+def test_out_of_range_change_is_unusable_not_clamped():
+    backend = ScriptedBackend([appraisal_json(-50)])
+    [turn] = UserSimulator(backend, SimulatorConfig(max_retries=0), seed=0).step([request(emotion=50)])
+    assert turn.attempts == 1 and turn.error is not None and turn.emotion == 50 and turn.change is None
+
+
+class SeedEcho:
+    """Output depends only on (seed, conversation), like a per-conversation seeded sampler."""
+
+    def generate(self, conversations, sampling, json_schema=None):
+        out = []
+        for conv in conversations:
+            change = derive_seed(sampling.seed, json.dumps(conv)) % 21 - 10
+            text = appraisal_json(change) if "change" in json_schema["properties"] else reply_json(f"msg {change}")
+            out.append(Generation(text=text))
+        return out
+
+
+def test_results_do_not_depend_on_batch_composition():
+    sim = UserSimulator(SeedEcho(), SimulatorConfig(), seed=11)
+    alone = sim.step([request("a", turn=2)])[0]
+    batched = sim.step([request("b", turn=2), request("c", turn=2), request("a", turn=2)])[2]
+    assert (alone.change, alone.reply, alone.raw_outputs) == (batched.change, batched.reply, batched.raw_outputs)
+    other_seed = UserSimulator(SeedEcho(), SimulatorConfig(), seed=12).step([request("a", turn=2)])[0]
+    assert other_seed.raw_outputs != alone.raw_outputs
+
+
+def test_appraise_only_matches_step_and_has_no_reply():
+    sim = UserSimulator(SeedEcho(), SimulatorConfig(), seed=5)
+    only = sim.appraise([request("a")])[0]
+    full = sim.step([request("a")])[0]
+    assert only.reply is None and only.goodbye is False and only.error is None
+    assert (only.change, only.emotion) == (full.change, full.emotion)
+
+
+def test_prompts_follow_language_and_difficulty():
+    backend = ScriptedBackend([appraisal_json(1)])
+    for difficulty in ("easy", "hard"):
+        UserSimulator(backend, SimulatorConfig(difficulty=difficulty), seed=0).step([request(language="zh")])
+    easy, hard = backend.calls[0][0][0], backend.calls[2][0][0]
+    assert "你正在扮演" in easy[0]["content"] and "评估助手的最新回复" in easy[1]["content"]
+    assert "宽容" in easy[1]["content"] and "拿不准时，选择负的变化" in hard[1]["content"]
+    assert "宽容" not in hard[1]["content"]
+    # the hidden intention and the transcript are in the prompt
+    assert scenario(language="zh").intention_text in easy[0]["content"]
+    assert "That sounds hard." in easy[1]["content"]
+
+
+def test_history_must_end_with_policy_reply():
+    bad = request()
+    bad.history = bad.history[:1]
+    with pytest.raises(ValueError, match="policy reply"):
+        UserSimulator(ScriptedBackend([appraisal_json(1)]), seed=0).step([bad])
+
+
+def test_opening_lines_given_generated_or_none():
+    given, missing = scenario("g"), scenario("m", opening_line=None)
+    backend = ScriptedBackend([appraisal_json(0)], opening=['{"message": "Can we talk?"}'])
+    assert UserSimulator(backend, seed=0).opening_lines([given, missing]) == ["I had a rough day.", "Can we talk?"]
+    assert len(backend.calls) == 1 and len(backend.calls[0][0]) == 1  # only the missing one is generated
+    broken = ScriptedBackend([appraisal_json(0)], opening=['{"text": "wrong field"}'])
+    assert UserSimulator(broken, SimulatorConfig(max_retries=1), seed=0).opening_lines([missing]) == [None]
+    assert len(broken.calls) == 2
+
+
+def test_rule_simulator_clamps_and_scripts_replies():
+    sim = RuleSimulator(lambda reply: 40 if "!" in reply else -40,
+                        reply_fn=lambda req, e: (f"now {e}", e >= 60))
+    up, down = sim.step([request("a", emotion=55, reply="Great!"), request("b", emotion=15, reply="No.")])
+    assert (up.raw_change, up.change, up.emotion, up.reply, up.goodbye) == (40, 10, 65, "now 65", True)
+    assert (down.raw_change, down.change, down.emotion, down.label, down.goodbye) == (-40, -10, 5, "F", False)
+    assert RuleSimulator().opening_lines([scenario(opening_line=None, language="zh")])[0].startswith("你好")
