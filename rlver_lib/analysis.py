@@ -67,7 +67,7 @@ def dialogue_table(records: Iterable[dict[str, Any]], **columns: Any) -> pd.Data
     rows = []
     for rec in records:
         view = dialogue_view(rec)
-        replies = [t.get("reply") or "" for t in rec.get("turns") or []]
+        replies = [t["reply"] for t in _policy_turns(rec)]
         rows.append({
             **columns,
             "dialogue_id": rec.get("dialogue_id", rec.get("id")),
@@ -83,24 +83,37 @@ def dialogue_table(records: Iterable[dict[str, Any]], **columns: Any) -> pd.Data
     return pd.DataFrame(rows)
 
 
+def _policy_turns(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Policy turns of one of our records (transcript ``turns``): per assistant entry
+    ``index`` (its position in ``turns``), ``turn`` (1-based), ``user`` (the message
+    it answered), ``reply``, and from the appraisal that followed it ``change``,
+    ``emotion_before`` and ``emotion`` (``None`` when it was not appraised)."""
+    turns = record.get("turns") or []
+    out = []
+    for i, entry in enumerate(turns):
+        if entry.get("role") != "assistant":
+            continue
+        before = turns[i - 1] if i and turns[i - 1].get("role") == "user" else {}
+        after = turns[i + 1] if i + 1 < len(turns) and turns[i + 1].get("role") == "user" else {}
+        out.append({"index": i, "turn": len(out) + 1, "user": before.get("content"),
+                    "reply": entry.get("content") or "", "change": after.get("change"),
+                    "emotion_before": after.get("emotion_before"), "emotion": after.get("emotion")})
+    return out
+
+
 def turn_table(records: Iterable[dict[str, Any]], **columns: Any) -> pd.DataFrame:
     """One row per policy turn of our dialogue records: ``dialogue_id``, ``turn``
-    (1-based), ``user`` (the message it answered, if recorded), ``reply``,
-    ``change``, ``emotion``, the dialogue's ``reward``, plus constant ``columns``."""
+    (1-based), ``user`` (the message it answered), ``reply``, ``change``,
+    ``emotion`` (after its appraisal), the dialogue's ``reward``, plus constant
+    ``columns`` (e.g. ``step=3``)."""
     rows = []
     for rec in records:
-        for k, turn in enumerate(rec.get("turns") or [], start=1):
-            rows.append({
-                **columns,
-                "dialogue_id": rec["dialogue_id"],
-                "turn": k,
-                "user": turn.get("user"),
-                "reply": turn.get("reply") or "",
-                "change": turn.get("change"),
-                "emotion": turn.get("emotion"),
-                "reward": rec["reward"],
-            })
-    return pd.DataFrame(rows)
+        for t in _policy_turns(rec):
+            rows.append({**columns, "dialogue_id": rec["dialogue_id"], "turn": t["turn"],
+                         "user": t["user"], "reply": t["reply"], "change": t["change"],
+                         "emotion": t["emotion"], "reward": rec["reward"]})
+    return pd.DataFrame(rows, columns=[*columns, "dialogue_id", "turn", "user", "reply",
+                                       "change", "emotion", "reward"])
 
 
 def _step_of(path: Path) -> int:
@@ -525,7 +538,7 @@ def run_hacking_probes(simulator: Any, scenarios: Sequence[Any], *, emotion: int
         for kind, reply in candidates:
             history = [{"role": "user", "content": opening}, {"role": "assistant", "content": reply}]
             requests.append(SimulatorRequest(dialogue_id=f"{scenario.id}:{kind}:{len(requests)}",
-                                             scenario=scenario, history=history, emotion=emotion, turn=1))
+                                             scenario=scenario, history=history, emotion=emotion, turn=0))
             meta.append({"scenario_id": scenario.id, "language": lang, "kind": kind, "reply": reply})
     turns = _appraise(simulator, requests)
     return pd.DataFrame([{**m, "change": t.change, "emotion": t.emotion, "error": t.error}
@@ -543,31 +556,29 @@ def summarize_probes(probes: pd.DataFrame) -> pd.DataFrame:
 def requests_from_records(
     records: Sequence[dict[str, Any]], scenarios: Sequence[Any], *, n: int, seed: int
 ) -> list[tuple[Any, int]]:
-    """A seeded sample of ``n`` recorded policy turns rebuilt as simulator requests,
-    each with the recorded (clamped) change: ``(SimulatorRequest, change)``.
+    """A seeded sample of ``n`` appraised policy turns of our records, rebuilt as
+    simulator requests, each with its recorded (clamped) change:
+    ``(SimulatorRequest, change)``.
 
-    The history is the visible conversation up to and including the sampled reply
-    (each turn's ``user`` message then its ``reply``); the emotion is the one before
-    that reply.  Raises ``KeyError`` naming a scenario id that is not in
-    ``scenarios``.
+    The history is the visible transcript up to and including the sampled reply;
+    the emotion is the one before that reply.  Raises ``KeyError`` naming a
+    scenario id that is not in ``scenarios``.
     """
     from rlver_lib.simulator import SimulatorRequest
 
     by_id = {s.id: s for s in scenarios}
-    candidates = [(r, k) for r in records for k, t in enumerate(r.get("turns") or [])
-                  if t.get("change") is not None and t.get("user") is not None]
+    candidates = [(rec, t) for rec in records for t in _policy_turns(rec) if t["change"] is not None]
     picked = random.Random(seed).sample(candidates, min(n, len(candidates)))
     out = []
-    for rec, k in picked:
-        turns = rec["turns"]
-        history = [m for t in turns[: k + 1] for m in ({"role": "user", "content": t["user"]},
-                                                       {"role": "assistant", "content": t["reply"]})]
-        before = turns[k - 1]["emotion"] if k else rec["initial_emotion"]
+    for rec, t in picked:
         if rec["scenario_id"] not in by_id:
             raise KeyError(f"scenario {rec['scenario_id']!r} of dialogue {rec['dialogue_id']!r} not given")
-        request = SimulatorRequest(dialogue_id=f"{rec['dialogue_id']}:{k + 1}", scenario=by_id[rec["scenario_id"]],
-                                   history=history, emotion=before, turn=k + 1)
-        out.append((request, int(turns[k]["change"])))
+        history = [{"role": e["role"], "content": e["content"]}
+                   for e in rec["turns"][: t["index"] + 1] if e.get("content") is not None]
+        request = SimulatorRequest(dialogue_id=f"{rec['dialogue_id']}:{t['turn']}",
+                                   scenario=by_id[rec["scenario_id"]], history=history,
+                                   emotion=int(t["emotion_before"]), turn=t["turn"] - 1)
+        out.append((request, int(t["change"])))
     return out
 
 

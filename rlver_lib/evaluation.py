@@ -21,12 +21,13 @@ Record formats read here (detected per record):
 
 - our dialogue records (``Trajectory.to_record()`` plus the scenario's
   ``hidden_intention``, ``personality`` and ``language``, added by
-  :func:`run_benchmark`): ``final_emotion``, ``initial_emotion`` and ``turns``, one
-  entry per policy turn carrying the ``emotion`` after its appraisal;
+  :func:`run_benchmark`): ``final_emotion``, ``initial_emotion`` and the transcript
+  ``turns`` (``assistant`` entries are policy turns; each ``user`` entry after one
+  carries ``change`` and the ``emotion`` after that appraisal);
 - SAGE result records (``../shared/data/README.md``): ``emo_point`` (final
   emotion), ``history`` of ``user`` messages with ``emotion-point`` and
   ``assistant`` messages, ``task`` (hidden intention) and ``character``
-  (personality type, Chinese).
+  (personality type, Chinese) — mapped to our intention and personality keys.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ SUCCESS_EMOTION = 100
 FAILURE_EMOTION = 10
 BREAKDOWN_FACTORS = ("hidden_intention", "personality", "language")
 UNKNOWN = "unknown"
-_SAGE_PERSONALITY = {"负面型": "negative", "被动型": "passive", "回避型": "avoidant"}
 
 
 class RecordError(ValueError):
@@ -123,27 +123,18 @@ class DialogueView:
     language: str
 
 
-def _turn_emotion(turn: dict[str, Any]) -> float | None:
-    for key in ("emotion", "emotion_after"):
-        if isinstance(turn.get(key), (int, float)):
-            return float(turn[key])
-    sim = turn.get("simulator")
-    if isinstance(sim, dict) and isinstance(sim.get("emotion"), (int, float)):
-        return float(sim["emotion"])
-    return None
-
-
 def _our_view(record: dict[str, Any]) -> DialogueView:
     turns = record.get("turns") or []
     final = float(record["final_emotion"])
     start = record.get("initial_emotion")
-    path = ([float(start)] if isinstance(start, (int, float)) else [])
-    path += [e for e in map(_turn_emotion, turns) if e is not None]
+    path = [float(start)] if isinstance(start, (int, float)) else []
+    path += [float(t["emotion"]) for t in turns
+             if t.get("role") == "user" and isinstance(t.get("emotion"), (int, float))]
     if not path or path[-1] != final:
         path.append(final)
     return DialogueView(
         final_emotion=final,
-        n_turns=len(turns),
+        n_turns=sum(t.get("role") == "assistant" for t in turns),
         emotions=tuple(path),
         hidden_intention=str(record.get("hidden_intention") or UNKNOWN),
         personality=str(record.get("personality") or UNKNOWN),
@@ -152,6 +143,8 @@ def _our_view(record: dict[str, Any]) -> DialogueView:
 
 
 def _sage_view(record: dict[str, Any]) -> DialogueView:
+    from rlver_lib.scenarios import HIDDEN_INTENTIONS, PERSONALITY_TYPES
+
     history = record.get("history") or []
     final = float(record["emo_point"])
     path = [float(m["emotion-point"]) for m in history
@@ -159,12 +152,15 @@ def _sage_view(record: dict[str, Any]) -> DialogueView:
     if not path or path[-1] != final:
         path.append(final)
     task = str(record.get("task") or UNKNOWN)
+    intention = {h.zh: h.key for h in HIDDEN_INTENTIONS.values()}.get(task, task)
+    character = str(record.get("character") or UNKNOWN)
+    personality = {p.zh: p.key for p in PERSONALITY_TYPES.values()}.get(character, character)
     return DialogueView(
         final_emotion=final,
         n_turns=sum(m.get("role") == "assistant" for m in history),
         emotions=tuple(path),
-        hidden_intention=task,
-        personality=_SAGE_PERSONALITY.get(record.get("character"), record.get("character") or UNKNOWN),
+        hidden_intention=intention,
+        personality=personality,
         language="zh" if re.search(r"[\u4e00-\u9fff]", task) else "en",
     )
 
@@ -563,11 +559,11 @@ def compare_math(base: MathResult | str | Path, trained: MathResult | str | Path
 
 
 def build_simulator(sim_cfg: Any, seed: int) -> Any:
-    """The simulated user a config asks for: ``rollout.RuleSimulator`` (default change
+    """The simulated user a config asks for: ``simulator.RuleSimulator`` (default change
     function, no model) when ``sim_cfg.backend == "rule"``, else an LLM
     ``simulator.UserSimulator`` over ``models.make_simulator_backend``."""
     if sim_cfg.backend == "rule":
-        from rlver_lib.rollout import RuleSimulator
+        from rlver_lib.simulator import RuleSimulator
 
         return RuleSimulator()
     from rlver_lib.models import make_simulator_backend
