@@ -334,6 +334,8 @@ def run_benchmark(
     seed: int,
     out_dir: str | Path,
     label: str,
+    max_context_tokens: int | None = None,
+    format_violation: str = "keep_reply",
 ) -> BenchmarkResult:
     """Run the Sentient benchmark and write ``out_dir/{dialogues.jsonl, summary.json,
     breakdown.csv, trajectory.csv}`` atomically.
@@ -342,7 +344,9 @@ def run_benchmark(
     at ``eval_cfg.initial_emotion`` and capped at ``eval_cfg.max_turns`` policy
     turns, through :func:`rlver_lib.rollout.run_rollouts`.  Each record is the
     trajectory's ``to_record()`` plus ``label`` and the scenario's hidden intention,
-    personality type and language.  Raises ``ValueError`` when no scenarios are given.
+    personality type and language.  ``max_context_tokens`` and ``format_violation``
+    are passed to the rollout (``policy`` config settings of the same names).
+    Raises ``ValueError`` when no scenarios are given.
     """
     from rlver_lib.rollout import run_rollouts
 
@@ -353,7 +357,8 @@ def run_benchmark(
         policy_backend, simulator, scenarios,
         n_per_scenario=1, max_turns=eval_cfg.max_turns,
         initial_emotion=eval_cfg.initial_emotion, think=think,
-        sampling=sampling, seed=seed,
+        sampling=sampling, seed=seed, max_context_tokens=max_context_tokens,
+        format_violation=format_violation,
     )
     by_id = {s.id: s for s in scenarios}
     records = [{**t.to_record(), "label": label, **_scenario_fields(by_id[t.scenario_id])}
@@ -601,7 +606,9 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation:
                               max_new_tokens=cfg.policy.max_new_tokens, seed=cfg.seed)
     result = run_benchmark(policy, build_simulator(cfg.simulator, cfg.seed), scenarios,
                            cfg.evaluation, sampling=sampling, think=cfg.policy.think,
-                           seed=cfg.seed, out_dir=out_dir, label=label)
+                           seed=cfg.seed, out_dir=out_dir, label=label,
+                           max_context_tokens=cfg.policy.max_context_tokens,
+                           format_violation=cfg.policy.format_violation)
     figures = cfg.run_dir / "figures"
     traj = result.summary.trajectory.assign(label=label)
     analysis.save_figure(analysis.plot_emotion_trajectories(traj), figures / f"eval_{label}_trajectory.png")

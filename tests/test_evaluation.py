@@ -1,0 +1,268 @@
+"""Sentient benchmark figures, bootstrap intervals, SAGE scoring and maths retention."""
+
+from __future__ import annotations
+
+import json
+import os
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlver_lib.backends import Generation, SamplingParams
+from rlver_lib.config import EvaluationConfig
+from rlver_lib.evaluation import (
+    BREAKDOWN_FACTORS,
+    RecordError,
+    bootstrap_ci,
+    compare_math,
+    extract_answer,
+    load_math_problems,
+    math_retention,
+    run_benchmark,
+    sage_score,
+    sage_score_command,
+    summarize,
+)
+from rlver_lib.io import iter_jsonl
+
+SHARED = Path(os.environ.get("RLVER_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
+SAGE = SHARED / "sage_results"
+
+
+# --------------------------------------------------------------------------- bootstrap
+
+
+def test_bootstrap_matches_hand_computed_percentiles():
+    values = np.array([3.0, 7.0, 1.0, 9.0, 5.0])
+    est = bootstrap_ci(values, n_boot=7, confidence=0.9, seed=3)
+    idx = np.random.default_rng(3).integers(0, 5, size=(7, 5))
+    means = sorted(values[row].mean() for row in idx)
+    # 5th / 95th percentile of 7 sorted means, linear interpolation: positions 0.3 and 5.7
+    low = means[0] + 0.3 * (means[1] - means[0])
+    high = means[5] + 0.7 * (means[6] - means[5])
+    assert est.value == pytest.approx(5.0)
+    assert (est.low, est.high) == pytest.approx((low, high))
+    assert bootstrap_ci(values, n_boot=7, confidence=0.9, seed=3) == est
+
+
+def test_bootstrap_degenerate_and_errors():
+    est = bootstrap_ci([42.0] * 6, n_boot=50, seed=1)
+    assert (est.value, est.low, est.high) == (42.0, 42.0, 42.0)
+    with pytest.raises(ValueError):
+        bootstrap_ci([], n_boot=10)
+    with pytest.raises(ValueError):
+        bootstrap_ci([1.0, np.nan], n_boot=10)
+    with pytest.raises(ValueError):
+        bootstrap_ci([1.0, 2.0], confidence=1.5)
+
+
+def test_bootstrap_covers_known_mean_about_95_percent():
+    rng = np.random.default_rng(0)
+    hits = 0
+    trials = 200
+    for t in range(trials):
+        sample = rng.normal(10.0, 2.0, size=60)
+        est = bootstrap_ci(sample, n_boot=400, seed=t)
+        hits += est.low <= 10.0 <= est.high
+    assert 0.88 <= hits / trials <= 0.99
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+def _record(final, emotions, **extra):
+    """One of our records: opening, then per emotion an assistant and a user entry."""
+    turns = [{"role": "user", "content": "hello"}]
+    before = 40
+    for e in emotions:
+        turns += [{"role": "assistant", "content": "reply"},
+                  {"role": "user", "content": "ok", "change": e - before, "emotion_before": before, "emotion": e}]
+        before = e
+    return {"dialogue_id": f"d{final}", "scenario_id": "s", "initial_emotion": 40, "turns": turns,
+            "final_emotion": final, "reward": final / 100, "termination": "max_turns", **extra}
+
+
+FIXTURE = [
+    _record(100, [70, 100], hidden_intention="be_heard", personality="negative", language="en"),
+    _record(5, [5], hidden_intention="be_heard", personality="passive", language="zh"),
+    _record(60, [50, 55, 60], hidden_intention="deep_empathy", personality="negative", language="en"),
+]
+
+
+def test_summarize_figures_trajectory_and_breakdown():
+    s = summarize(FIXTURE, n_boot=100, seed=0)
+    assert s.n == 3 and s.n_success == 1 and s.n_failure == 1
+    assert s.sentient_score.value == pytest.approx(55.0)
+    assert s.success_rate.value == pytest.approx(1 / 3)
+    assert s.failure_rate.value == pytest.approx(1 / 3)
+    assert s.mean_turns.value == pytest.approx(2.0)
+    assert s.sentient_score.low <= 55.0 <= s.sentient_score.high
+    traj = s.trajectory
+    assert list(traj["turn"]) == [0, 1, 2, 3]
+    assert list(traj["n_alive"]) == [3, 3, 2, 1]
+    assert traj["mean_emotion"].tolist() == pytest.approx([40, (70 + 5 + 50) / 3, (100 + 5 + 55) / 3, 55])
+    assert traj["mean_emotion_alive"].tolist() == pytest.approx([40, (70 + 5 + 50) / 3, 77.5, 60])
+    b = s.breakdown
+    for factor in BREAKDOWN_FACTORS:
+        assert b[b["factor"] == factor]["n"].sum() == 3
+    heard = b[(b["factor"] == "hidden_intention") & (b["level"] == "be_heard")].iloc[0]
+    assert heard["n"] == 2 and heard["sentient_score"] == pytest.approx(52.5)
+    assert json.loads(json.dumps(s.to_dict()))["sentient_score"]["value"] == pytest.approx(55.0)
+
+
+def test_summarize_rejects_bad_input():
+    with pytest.raises(ValueError):
+        summarize([])
+    with pytest.raises(RecordError):
+        summarize([{"id": 1}])
+
+
+# --------------------------------------------------------------------------- SAGE
+
+
+@pytest.mark.parametrize("name, score, success, failure", [
+    ("gpt-4.1_result.jsonl", 68.2, 35, 13),
+    ("claude3.7_result.jsonl", 54.8, 19, 24),
+    ("qwen2.5-72b_result.jsonl", 19.1, 4, 70),
+])
+def test_sage_published_figures(name, score, success, failure):
+    row = sage_score([SAGE / name]).iloc[0]
+    assert row["n"] == 100
+    assert round(row["sentient_score"], 1) == pytest.approx(score)
+    assert (row["success"], row["failure"]) == (success, failure)
+
+
+def test_sage_breakdowns_sum_to_whole():
+    records = [r for _, r in iter_jsonl(SAGE / "claude3.7_result.jsonl")]
+    s = summarize(records, n_boot=50)
+    assert s.sentient_score.value == pytest.approx(54.8)
+    for factor in BREAKDOWN_FACTORS:
+        assert s.breakdown[s.breakdown["factor"] == factor]["n"].sum() == 100
+    intentions = set(s.breakdown[s.breakdown["factor"] == "hidden_intention"]["level"])
+    assert intentions <= {"analyse_problem", "practical_advice", "understand_others", "reflect_grow",
+                          "specific_praise", "be_heard", "deep_empathy", "not_at_fault"}
+
+
+def test_sage_score_reads_line_separators_as_data_and_our_records(tmp_path, capsys):
+    sage = tmp_path / "odd_result.jsonl"
+    sage.write_text(json.dumps({"emo_point": 100, "history": [], "task": "a\u2028b"}, ensure_ascii=False)
+                    + "\n\n" + json.dumps({"emo_point": 4, "history": []}) + "\n", encoding="utf-8")
+    ours = tmp_path / "mymodel" / "dialogues.jsonl"
+    ours.parent.mkdir()
+    ours.write_text("".join(json.dumps(r) + "\n" for r in FIXTURE), encoding="utf-8")
+    table = sage_score([sage, ours])
+    assert table[["model", "n", "success", "failure"]].values.tolist() == [["odd", 2, 1, 1], ["mymodel", 3, 1, 1]]
+    assert table["sentient_score"].tolist() == pytest.approx([52.0, 55.0])
+    assert sage_score_command([sage], as_json=True) == 0
+    assert json.loads(capsys.readouterr().out)[0]["sentient_score"] == pytest.approx(52.0)
+    assert sage_score_command([tmp_path / "missing.jsonl"]) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"emo_point": 1}\n{"x": 2}\n', encoding="utf-8")
+    with pytest.raises(RecordError, match="bad.jsonl:2"):
+        sage_score([bad])
+
+
+# --------------------------------------------------------------------------- benchmark run
+
+
+class ScriptedPolicy:
+    """Replies by scenario (keyed on the opening line): ``ask`` always ends with a
+    question, ``tell`` never does, ``alternate`` asks on odd policy turns."""
+
+    def __init__(self, mode_by_opening):
+        self.mode_by_opening = mode_by_opening
+
+    def generate(self, conversations, sampling, json_schema=None):
+        out = []
+        for conv in conversations:
+            opening = next(m["content"] for m in conv if m["role"] == "user")
+            mode = self.mode_by_opening[opening]
+            n_prev = sum(m["role"] == "assistant" for m in conv)
+            ask = mode == "ask" or (mode == "alternate" and n_prev % 2 == 0)
+            out.append(Generation(text="How do you feel about it?" if ask else "I see."))
+        return out
+
+
+def test_run_benchmark_with_rule_simulator(tmp_path):
+    from rlver_lib.scenarios import load_scenarios
+    from rlver_lib.simulator import RuleSimulator
+
+    scenarios = load_scenarios(SHARED / "rlver_profiles" / "test_profile.jsonl")[:3]
+    modes = dict(zip([s.opening_line for s in scenarios], ["ask", "tell", "alternate"]))
+    result = run_benchmark(ScriptedPolicy(modes), RuleSimulator(), scenarios,
+                           EvaluationConfig(bootstrap_samples=50), sampling=SamplingParams(),
+                           think=False, seed=0, out_dir=tmp_path, label="scripted")
+    # rule: +10 for a question, -5 otherwise, from 40, at most 10 turns
+    finals = [r["final_emotion"] for r in result.records]
+    assert finals == [100, 5, 65]
+    s = result.summary
+    assert s.sentient_score.value == pytest.approx(170 / 3)
+    assert s.mean_turns.value == pytest.approx((6 + 7 + 10) / 3)
+    assert (s.n_success, s.n_failure) == (1, 1)
+    assert s.trajectory["mean_emotion"].iloc[-1] == pytest.approx(170 / 3)
+    for name in ("dialogues.jsonl", "summary.json", "breakdown.csv", "trajectory.csv"):
+        assert (tmp_path / name).is_file()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["label"] == "scripted" and summary["n_success"] == 1
+    assert pd.read_csv(tmp_path / "breakdown.csv").groupby("factor")["n"].sum().tolist() == [3, 3, 3]
+    assert sage_score([tmp_path / "dialogues.jsonl"])["sentient_score"].iloc[0] == pytest.approx(170 / 3)
+    assert {r["language"] for r in result.records} == {"zh"}
+
+
+# --------------------------------------------------------------------------- maths
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("so the answer is \\boxed{42}.", Fraction(42)),
+    ("\\boxed{\\frac{3}{4}}", Fraction(3, 4)),
+    ("We get \\boxed{\\dfrac{-1}{6}} in the end", Fraction(-1, 6)),
+    ("first 3, then 12, finally 7/8", Fraction(7, 8)),
+    ("It costs 1,024 dollars.", Fraction(1024)),
+    ("x = -2.5", Fraction(-5, 2)),
+    ("\\boxed{12} but later 13", Fraction(12)),
+    ("\\boxed{x+1}", None),
+    ("no numbers here", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+class ScriptedSolver:
+    """Answers the problems whose id is in ``right`` correctly (boxed), others wrongly."""
+
+    def __init__(self, problems, right):
+        self.problems, self.right = problems, set(right)
+
+    def generate(self, conversations, sampling, json_schema=None):
+        assert sampling.temperature == 0.0
+        out = []
+        for conv in conversations:
+            p = next(q for q in self.problems if q.problem in conv[-1]["content"])
+            out.append(Generation(text=f"\\boxed{{{p.answer}}}" if p.id in self.right else "It is 99999."))
+        return out
+
+
+def test_math_set_and_retention_accuracy():
+    problems = load_math_problems()
+    assert len(problems) >= 40
+    assert len({p.id for p in problems}) == len(problems)
+    subset = problems[:10]
+    even = [p.id for i, p in enumerate(subset) if i % 2 == 0]
+    half = math_retention(ScriptedSolver(subset, even), subset, max_new_tokens=16, seed=0, n_boot=200)
+    assert half.accuracy.value == pytest.approx(0.5)
+    assert half.table["correct"].tolist() == [i % 2 == 0 for i in range(10)]
+    full = math_retention(ScriptedSolver(subset, [p.id for p in subset]), subset, seed=0, n_boot=200)
+    table = compare_math(half, full)
+    assert table.loc["base", "accuracy"] == pytest.approx(0.5)
+    assert table.loc["trained", "accuracy"] == pytest.approx(1.0)
+    assert table.loc["trained", "delta"] == pytest.approx(0.5)
+
+
+def test_math_loader_rejects_inexact_answer(tmp_path):
+    bad = tmp_path / "m.jsonl"
+    bad.write_text('{"id": "a", "problem": "p", "answer": "pi"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="m.jsonl:1"):
+        load_math_problems(bad)
