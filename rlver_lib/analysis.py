@@ -484,14 +484,15 @@ def reply_features(text: str) -> dict[str, int]:
 def hacking_correlations(df: pd.DataFrame, *, text: str = "reply", reward: str = "reward") -> pd.DataFrame:
     """Pearson and Spearman correlation of ``reward`` with each judge-free feature of
     ``text`` (:func:`reply_features`), one row per feature: ``feature, pearson,
-    spearman, n``.  A constant feature gives NaN.  Rows are replies (turn table) or
+    spearman, n``.  Spearman's rho is Pearson's r of the average ranks (pandas,
+    no SciPy needed).  A constant feature gives NaN.  Rows are replies (turn table) or
     dialogues (pass the concatenated replies)."""
     feats = pd.DataFrame([reply_features(t) for t in df[text].fillna("")], index=df.index)
     rows = []
     for name in HACKING_FEATURES:
         rows.append({"feature": name,
                      "pearson": feats[name].corr(df[reward], method="pearson"),
-                     "spearman": feats[name].corr(df[reward], method="spearman"),
+                     "spearman": feats[name].rank().corr(df[reward].rank(), method="pearson"),
                      "n": int(len(df))})
     return pd.DataFrame(rows)
 
