@@ -1,0 +1,89 @@
+"""The ``rlver`` command line: exit codes, error messages, delegation (DESIGN §5)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlver_lib import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("RLVER_SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+
+def rlver(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "rlver_lib.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_run_with_unknown_key_exits_non_zero_naming_it(tmp_path):
+    params = tmp_path / "bad.yaml"
+    params.write_text("run_name: bad\ntraining:\n  stepz: 4\n")
+    result = rlver("run", str(params), "--set", f"output_root={tmp_path}")
+    assert result.returncode == 2
+    assert "training.stepz" in result.stderr
+    assert not (tmp_path / "bad").exists()  # nothing ran
+
+
+def test_run_with_bad_override_value_names_the_key(tmp_path):
+    result = rlver("run", str(ROOT / "params" / "quickstart.yaml"), "--set", "training.steps=-1",
+                   "--set", f"output_root={tmp_path}")
+    assert result.returncode == 2
+    assert "training.steps" in result.stderr
+
+
+def test_ablate_with_bad_axis_fails_before_any_cell_runs(tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(f"name: g\nbase: {ROOT / 'params' / 'quickstart.yaml'}\noutput_root: {tmp_path}\n"
+                    "axes:\n  training.algorithm: [grpo, reinforce]\n")
+    result = rlver("ablate", str(grid))
+    assert result.returncode == 2
+    assert "training.algorithm" in result.stderr
+    assert not (tmp_path / "g").exists()
+
+
+def test_sage_score_json_matches_the_published_leaderboard():
+    path = SHARED_DATA / "sage_results" / "gpt-4.1_result.jsonl"
+    if not path.exists():
+        pytest.skip(f"reference data not found at {SHARED_DATA}")
+    result = rlver("sage-score", str(path), "--json")
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(result.stdout)
+    # published figures (shared data README): score 68.2, 35 successes, 13 failures of 100
+    assert (row["n"], row["success"], row["failure"]) == (100, 35, 13)
+    assert round(row["sentient_score"], 1) == 68.2
+
+
+def test_scenarios_validate_names_file_line_and_field(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x", "persona": "A teacher."}\n', encoding="utf-8")
+    result = rlver("scenarios", "validate", str(bad))
+    assert result.returncode != 0
+    assert f"{bad}:1" in result.stdout + result.stderr
+    assert "situation" in result.stdout + result.stderr
+
+
+def test_configure_threads_prefers_the_config(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    cli.configure_threads(3)
+    assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "3"
+
+
+def test_configure_threads_keeps_the_environment_without_config(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    cli.configure_threads(None)
+    assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "5"
+
+
+def test_every_documented_command_parses():
+    parser = cli.build_parser()
+    for argv in (["run", "p.yaml", "--set", "a=1", "--set", "b=2"], ["ablate", "g.yaml"],
+                 ["eval", "p.yaml", "--set", "policy.adapter=x"], ["sage-score", "a", "b", "--json"],
+                 ["scenarios", "validate", "f.jsonl"], ["models", "prepare"]):
+        assert callable(parser.parse_args(argv).func)
