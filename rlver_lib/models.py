@@ -338,12 +338,13 @@ def make_simulator_backend(sim_cfg: SimulatorConfig, seed: int) -> "ChatBackend"
 
 def make_policy_backend(policy_cfg: PolicyConfig, model, tokenizer) -> "ChatBackend":
     """The policy's generation backend: :class:`~rlver_lib.backends.TransformersBackend`
-    over the live ``model``, or ``rlver_lib.vllm_backend.VLLMBackend`` (imported only
-    then; GPU) when ``policy_cfg.backend == "vllm"``."""
+    over the live ``model``, or ``rlver_lib.vllm_backend.VLLMBackend.from_config``
+    (imported only then; GPU; the weights reach it through ``sync_policy``) when
+    ``policy_cfg.backend == "vllm"``."""
     if policy_cfg.backend == "vllm":
         from .vllm_backend import VLLMBackend
 
-        return VLLMBackend(policy_cfg, model, tokenizer)
+        return VLLMBackend.from_config(policy_cfg, tokenizer)
     from .backends import TransformersBackend
 
     return TransformersBackend(model, tokenizer)
