@@ -26,6 +26,7 @@ appraised, the last one too. Reward = final emotion / 100 (0.0-1.0).
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, Sequence
 
@@ -97,10 +98,10 @@ def parse_think(text: str) -> ThinkParse:
         return ThinkParse("", text.strip(), False, "no_think_block")
     if n_close == 0:
         start = text.index(THINK_OPEN)
-        thought = _THINK_TAG.sub("", text[start:]).strip()
+        thought = _THINK_TAG.sub(" ", text[start:]).strip()
         return ThinkParse(thought, text[:start].strip(), False, "missing_close_tag")
     end = text.rindex(THINK_CLOSE)
-    thought = _THINK_TAG.sub("", text[:end]).strip()
+    thought = _THINK_TAG.sub(" ", text[:end]).strip()
     reply = text[end + len(THINK_CLOSE):].strip()
     problem = None
     if n_open == 0:
@@ -343,9 +344,9 @@ def run_rollouts(
     ``max_turns``: cap on policy turns; ``initial_emotion``: starting score
     (0-100); ``sampling``: policy sampling (its seed is replaced per turn by one
     derived from ``seed`` and the turn); ``max_context_tokens``: when set, a
-    dialogue whose next policy context could exceed it (this turn's context +
-    completion + ``sampling.max_new_tokens``) ends after this reply is appraised,
-    with ``max_turns``. ``format_violation``: ``keep_reply`` (the reply with all
+    dialogue whose next policy context plus ``sampling.max_new_tokens`` would
+    exceed it ends before that turn, with ``max_turns`` (its last reply was
+    already appraised); needs a policy backend with ``prompt_ids(conversation)``. ``format_violation``: ``keep_reply`` (the reply with all
     think tags and thought removed goes on) or ``end_dialogue``.
     Returns trajectories in order (scenario order, then replica ``k``); each has
     ``group_id`` = scenario id (GRPO groups). Raises ``ValueError`` on bad arguments
@@ -363,6 +364,10 @@ def run_rollouts(
             live = [d for d in dialogues if d.termination is None]
             if not live:
                 break
+            if max_context_tokens is not None:
+                live = _within_context(policy, live, think, sampling.max_new_tokens, max_context_tokens)
+                if not live:
+                    break
             bar.set_postfix(live=len(live))
             turn_sampling = replace(sampling, seed=derive_seed(seed, "policy", turn))
             generations = policy.generate([policy_messages(d.scenario, d.history, think) for d in live], turn_sampling)
@@ -377,14 +382,26 @@ def run_rollouts(
                     raise ValueError("simulator results do not match the requested dialogue ids")
                 for d in to_user:
                     _record_user_turn(d, by_id[d.dialogue_id])
-                    if d.termination is None and _context_exhausted(d, sampling, max_context_tokens):
-                        d.termination = "max_turns"
             bar.update(1)
     return [d.trajectory() for d in dialogues]
 
 
-def _context_exhausted(dialogue: _Dialogue, sampling: SamplingParams, max_context_tokens: int | None) -> bool:
-    if max_context_tokens is None or not dialogue.samples:
-        return False
-    last = dialogue.samples[-1]
-    return len(last.context_ids) + len(last.completion_ids) + sampling.max_new_tokens > max_context_tokens
+def _within_context(
+    policy: ChatBackend, live: list[_Dialogue], think: bool, max_new_tokens: int, max_context_tokens: int
+) -> list[_Dialogue]:
+    """Dialogues whose next context leaves room for ``max_new_tokens``; the others end (``max_turns``).
+
+    Needs a backend that can count prompt tokens (``prompt_ids(conversation)``, as
+    ``TransformersBackend`` has); with any other backend the budget is not checked.
+    """
+    count = getattr(policy, "prompt_ids", None)
+    if count is None:
+        warnings.warn("max_context_tokens ignored: the policy backend has no prompt_ids()", stacklevel=3)
+        return live
+    kept = []
+    for d in live:
+        if len(count(policy_messages(d.scenario, d.history, think))) + max_new_tokens > max_context_tokens:
+            d.termination = "max_turns"
+        else:
+            kept.append(d)
+    return kept
