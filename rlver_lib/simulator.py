@@ -291,7 +291,8 @@ _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
 
 def _json_object(text: str) -> dict[str, Any]:
     try:
-        obj = json.loads(_FENCE.sub("", text.strip()))
+        # strict=False: llama.cpp grammars let raw newlines into strings
+        obj = json.loads(_FENCE.sub("", text.strip()), strict=False)
     except json.JSONDecodeError as err:
         raise SimulatorError(f"invalid JSON: {err.msg} at column {err.colno}") from None
     if not isinstance(obj, dict):

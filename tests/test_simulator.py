@@ -123,6 +123,8 @@ def test_derive_seed_is_stable_and_distinguishes_parts():
 def test_parse_appraisal_accepts_valid_and_code_fenced_output():
     assert parse_appraisal(appraisal_json(-3))["change"] == -3
     assert parse_appraisal("```json\n" + appraisal_json(4) + "\n```")["change"] == 4
+    raw_newline = '{"reply_meaning": "line one\nline two", "intention_fit": "f", "inner_reaction": "r", "change": 0}'
+    assert parse_appraisal(raw_newline)["reply_meaning"] == "line one\nline two"
 
 
 @pytest.mark.parametrize("text, problem", [
