@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -332,6 +331,10 @@ class LlamaCppBackend:
 _RETRY_STATUS = frozenset({408, 409, 429}) | frozenset(range(500, 600))
 
 
+class _FormatRejected(BackendError):
+    """The server refused the ``response_format`` form it was sent (not retried)."""
+
+
 class OpenAIBackend:
     """Any OpenAI-compatible ``/v1/chat/completions`` server over HTTP (httpx).
 
@@ -348,7 +351,8 @@ class OpenAIBackend:
     ``{"type": "json_schema", "json_schema": {...}}`` (vLLM, SGLang, hosted APIs);
     ``"json_object"`` sends ``{"type": "json_object", "schema": ...}`` (llama.cpp's
     Python server); ``"auto"`` (default) starts with the first and switches to the
-    second for good when the server answers 400/422 to it.
+    second for good when the server rejects it (an error that names
+    ``response_format``; llama-cpp-python answers HTTP 500).
     Conversation ``i`` is sent with ``seed = sampling.seed + i``. ``meta`` holds
     ``attempts`` and the server's ``usage``.
     """
@@ -365,9 +369,8 @@ class OpenAIBackend:
         self.url = f"{root}/chat/completions" if root.endswith("/v1") else f"{root}/v1/chat/completions"
         self.model = model
         self.max_retries, self.concurrency, self.backoff_s = max_retries, concurrency, backoff_s
+        self._format_mode = response_format
         self._schema_style = "json_schema" if response_format == "auto" else response_format
-        self._auto_format = response_format == "auto"
-        self._lock = threading.Lock()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(
             headers=headers, timeout=httpx.Timeout(timeout_s),
@@ -402,8 +405,15 @@ class OpenAIBackend:
                 cause = f"{type(err).__name__}: {err}"
             else:
                 if response.status_code == 200:
-                    return response.json(), attempt + 1
+                    try:
+                        return response.json(), attempt + 1
+                    except ValueError as err:
+                        raise BackendError(f"{self.url}: response is not JSON: {response.text[:300]}") from err
                 cause = f"HTTP {response.status_code}: {response.text[:300]}"
+                sent_format = body.get("response_format", {}).get("type")
+                if (self._format_mode == "auto" and sent_format == "json_schema"
+                        and "response_format" in response.text):
+                    raise _FormatRejected(f"{self.url}: {cause}", status=response.status_code)
                 if response.status_code not in _RETRY_STATUS:
                     raise BackendError(f"{self.url}: {cause}", status=response.status_code)
             if attempt < self.max_retries:
@@ -426,11 +436,8 @@ class OpenAIBackend:
             body["response_format"] = self._response_format(json_schema)
         try:
             data, attempts = self._post(body)
-        except BackendError as err:
-            if not (self._auto_format and json_schema is not None and err.status in (400, 422)):
-                raise
-            with self._lock:
-                self._schema_style, self._auto_format = "json_object", False
+        except _FormatRejected:
+            self._schema_style = "json_object"  # for good: later requests skip the probe
             log.info("%s rejected response_format json_schema; using json_object", self.url)
             body["response_format"] = self._response_format(json_schema)
             data, attempts = self._post(body)

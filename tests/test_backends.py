@@ -1,0 +1,292 @@
+"""Chat backends: transformers (ids, log-probs, seeding, xgrammar), llama.cpp, OpenAI HTTP."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import jsonschema
+import pytest
+import torch
+
+from rlver_lib.backends import (
+    BackendError,
+    LlamaCppBackend,
+    OpenAIBackend,
+    SamplingParams,
+    TransformersBackend,
+)
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Say hello."}],
+    [{"role": "system", "content": "You are a kind listener."},
+     {"role": "user", "content": "My sister forgot my birthday and I feel invisible. What should I do?"}],
+    [{"role": "user", "content": "What is the capital of France?"}],
+]
+
+# integer ranges as an enum: llama.cpp 0.3.36 ignores minimum/maximum (see LlamaCppBackend)
+APPRAISAL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "change": {"type": "integer", "enum": list(range(-10, 11))},
+        "label": {"type": "string", "enum": ["S", "A", "B", "C", "F"]},
+        "goodbye": {"type": "boolean"},
+    },
+    "required": ["change", "label", "goodbye"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def backend(embedded_policy):
+    model, tokenizer = embedded_policy
+    return TransformersBackend(model, tokenizer)
+
+
+def _forward_logprobs(model, prompt_ids, completion_ids, temperature):
+    """Log-probs of ``completion_ids`` given ``prompt_ids`` from one unpadded forward pass."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0]
+
+
+def test_prompt_ids_are_the_templated_context(backend, embedded_policy):
+    _, tokenizer = embedded_policy
+    [gen] = backend.generate(CONVERSATIONS[1:2], SamplingParams(temperature=0, max_new_tokens=2))
+    text = tokenizer.apply_chat_template(CONVERSATIONS[1], add_generation_prompt=True, tokenize=False)
+    assert gen.prompt_ids == tokenizer(text, add_special_tokens=False).input_ids
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_batched_greedy_equals_single_calls(backend):
+    sampling = SamplingParams(temperature=0, max_new_tokens=10)
+    batch = backend.generate(CONVERSATIONS, sampling)
+    assert len({len(g.prompt_ids) for g in batch}) == 3  # left padding really happened
+    for conversation, batched in zip(CONVERSATIONS, batch):
+        [single] = backend.generate([conversation], sampling)
+        assert batched.completion_ids == single.completion_ids
+        assert batched.prompt_ids == single.prompt_ids
+        assert batched.text == single.text
+        torch.testing.assert_close(torch.tensor(batched.logprobs), torch.tensor(single.logprobs),
+                                   atol=1e-3, rtol=0)
+
+
+def test_seeded_sampling_reproduces_and_seeds_differ(backend):
+    conversations = CONVERSATIONS[:2]
+    state = torch.random.get_rng_state()
+    first = backend.generate(conversations, SamplingParams(temperature=1.0, max_new_tokens=12, seed=7))
+    assert torch.equal(torch.random.get_rng_state(), state)  # caller's RNG untouched
+    again = backend.generate(conversations, SamplingParams(temperature=1.0, max_new_tokens=12, seed=7))
+    other = backend.generate(conversations, SamplingParams(temperature=1.0, max_new_tokens=12, seed=8))
+    assert [g.completion_ids for g in first] == [g.completion_ids for g in again]
+    assert [g.completion_ids for g in first] != [g.completion_ids for g in other]
+
+
+def test_logprobs_match_a_forward_pass(backend, embedded_policy):
+    model, _ = embedded_policy
+    temperature = 0.7
+    gens = backend.generate(CONVERSATIONS[:2], SamplingParams(temperature=temperature, max_new_tokens=12, seed=3))
+    for gen in gens:
+        assert len(gen.logprobs) == len(gen.completion_ids) > 0
+        expected = _forward_logprobs(model, gen.prompt_ids, gen.completion_ids, temperature)
+        torch.testing.assert_close(torch.tensor(gen.logprobs), expected, atol=1e-3, rtol=0)
+
+
+def test_completion_ends_with_eos_only_when_stopped(backend, embedded_policy):
+    _, tokenizer = embedded_policy
+    eos = tokenizer.eos_token_id
+    [stopped] = backend.generate(CONVERSATIONS[2:], SamplingParams(temperature=0, max_new_tokens=40))
+    assert stopped.finish_reason == "stop"
+    assert stopped.completion_ids[-1] == eos and eos not in stopped.completion_ids[:-1]
+    assert "<|im_end|>" not in stopped.text and "Paris" in stopped.text
+    [cut] = backend.generate(CONVERSATIONS[2:], SamplingParams(temperature=0, max_new_tokens=3))
+    assert cut.finish_reason == "length"
+    assert cut.completion_ids == stopped.completion_ids[:3] and eos not in cut.completion_ids
+
+
+def test_json_schema_output_parses_and_validates(backend):
+    gens = backend.generate(CONVERSATIONS, SamplingParams(temperature=1.0, max_new_tokens=40, seed=11),
+                            json_schema=APPRAISAL_SCHEMA)
+    for gen in gens:
+        assert gen.finish_reason == "stop"
+        jsonschema.validate(json.loads(gen.text), APPRAISAL_SCHEMA)
+
+
+def test_peft_model_and_policy_sync(embedded_policy):
+    from peft import LoraConfig, get_peft_model
+
+    model, tokenizer = embedded_policy
+    sampling = SamplingParams(temperature=0, max_new_tokens=8)
+    base_out = TransformersBackend(model, tokenizer).generate(CONVERSATIONS[:1], sampling)
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    peft_model.train()
+    backend = TransformersBackend(peft_model, tokenizer)
+    # a fresh LoRA adapter (B = 0) leaves the policy unchanged
+    assert backend.generate(CONVERSATIONS[:1], sampling)[0].completion_ids == base_out[0].completion_ids
+    assert peft_model.training  # training mode restored after generation
+    backend.sync_policy(peft_model, step=5)
+    assert backend.policy_step == 5
+    assert backend.generate(CONVERSATIONS[:1], sampling)[0].meta["policy_step"] == 5
+    with pytest.raises(ValueError, match="same model"):
+        backend.sync_policy(model, step=6)
+
+
+def test_empty_conversation_rejected(backend):
+    with pytest.raises(ValueError, match="at least one message"):
+        backend.generate([[]], SamplingParams())
+    assert backend.generate([], SamplingParams()) == []
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+
+@pytest.fixture(scope="module")
+def llama_backend():
+    pytest.importorskip("llama_cpp")
+    from rlver_lib.models import smollm2_gguf_path
+
+    return LlamaCppBackend(smollm2_gguf_path(), n_ctx=1024, n_threads=1, seed=0)
+
+
+def test_llamacpp_json_output_valid_and_seeded(llama_backend):
+    sampling = SamplingParams(temperature=0.8, max_new_tokens=40, seed=5)
+    first = llama_backend.generate(CONVERSATIONS[:2], sampling, json_schema=APPRAISAL_SCHEMA)
+    for gen in first:
+        jsonschema.validate(json.loads(gen.text, strict=False), APPRAISAL_SCHEMA)
+        assert gen.meta["usage"]["completion_tokens"] > 0 and gen.prompt_ids is None
+    again = llama_backend.generate(CONVERSATIONS[:2], sampling, json_schema=APPRAISAL_SCHEMA)
+    assert [g.text for g in first] == [g.text for g in again]
+
+
+def test_llamacpp_context_overflow_is_backend_error(llama_backend):
+    long = [{"role": "user", "content": "word " * 2000}]
+    with pytest.raises(BackendError, match="conversation 0"):
+        llama_backend.generate([long], SamplingParams(max_new_tokens=4))
+
+
+# ---------------------------------------------------------------- OpenAI HTTP, real server
+
+
+def test_openai_backend_against_real_server(openai_server):
+    conversations = [CONVERSATIONS[0], CONVERSATIONS[2], CONVERSATIONS[0], CONVERSATIONS[2]]
+    sampling = SamplingParams(temperature=0, max_new_tokens=40, seed=0)
+    with OpenAIBackend(openai_server, "smollm2", timeout_s=120, max_retries=1, concurrency=4) as client:
+        gens = client.generate(conversations, sampling, json_schema=APPRAISAL_SCHEMA)
+        for gen in gens:
+            jsonschema.validate(json.loads(gen.text, strict=False), APPRAISAL_SCHEMA)
+            assert gen.meta["attempts"] == 1
+        # order kept under concurrency: greedy outputs repeat with their conversation
+        assert gens[0].text == gens[2].text and gens[1].text == gens[3].text
+        # the llama.cpp server takes the schema as json_object: "auto" switched to it
+        assert client._schema_style == "json_object"
+        [plain] = client.generate(CONVERSATIONS[2:], SamplingParams(temperature=0, max_new_tokens=16))
+        assert plain.text and plain.meta["usage"]["completion_tokens"] <= 16
+
+
+# ---------------------------------------------------------------- OpenAI HTTP, retries and timeouts
+
+COMPLETION = {"choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+              "usage": {"completion_tokens": 1}}
+
+
+class _ScriptedServer:
+    """A loopback HTTP server: the first ``fail`` requests get ``status`` (or sleep ``sleep_s``)."""
+
+    def __init__(self, *, fail: int = 0, status: int = 503, sleep_s: float = 0.0):
+        self.fail, self.status, self.sleep_s = fail, status, sleep_s
+        self.requests = 0
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                with server.lock:
+                    server.requests += 1
+                    failing = server.requests <= server.fail
+                if failing and server.sleep_s:
+                    time.sleep(server.sleep_s)
+                code = server.status if failing and not server.sleep_s else 200
+                body = json.dumps(COMPLETION if code == 200 else {"error": "scripted"}).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _client(url, **kwargs):
+    return OpenAIBackend(url, "m", backoff_s=0.01, **{"timeout_s": 5.0, **kwargs})
+
+
+@pytest.mark.timeout(30)
+def test_retries_then_succeeds_on_5xx():
+    with _ScriptedServer(fail=2, status=503) as server, _client(server.url, max_retries=2) as client:
+        [gen] = client.generate(CONVERSATIONS[:1], SamplingParams())
+    assert gen.text == "ok" and gen.meta["attempts"] == 3 and server.requests == 3
+
+
+@pytest.mark.timeout(30)
+def test_gives_up_after_bounded_retries_on_429():
+    with _ScriptedServer(fail=100, status=429) as server, _client(server.url, max_retries=2) as client:
+        with pytest.raises(BackendError, match="after 3 attempts: HTTP 429"):
+            client.generate(CONVERSATIONS[:1], SamplingParams())
+    assert server.requests == 3
+
+
+@pytest.mark.timeout(30)
+def test_client_error_is_not_retried():
+    with _ScriptedServer(fail=100, status=404) as server, _client(server.url, max_retries=3) as client:
+        with pytest.raises(BackendError, match="HTTP 404") as info:
+            client.generate(CONVERSATIONS[:1], SamplingParams())
+    assert server.requests == 1 and info.value.results == [None]
+
+
+@pytest.mark.timeout(30)
+def test_timeout_is_retried_and_bounded():
+    with _ScriptedServer(fail=100, sleep_s=3.0) as server, \
+            _client(server.url, max_retries=1, timeout_s=0.3) as client:
+        start = time.monotonic()
+        with pytest.raises(BackendError, match="after 2 attempts: ReadTimeout"):
+            client.generate(CONVERSATIONS[:1], SamplingParams())
+        elapsed = time.monotonic() - start
+    assert server.requests == 2 and elapsed < 2.5
+
+
+@pytest.mark.timeout(30)
+def test_partial_batch_failure_keeps_successes():
+    with _ScriptedServer(fail=1, status=500) as server, \
+            _client(server.url, max_retries=0, concurrency=1) as client:
+        with pytest.raises(BackendError, match="1 of 3 requests failed") as info:
+            client.generate(CONVERSATIONS, SamplingParams())
+    assert server.requests == 3
+    assert info.value.results[0] is None and [g.text for g in info.value.results[1:]] == ["ok", "ok"]
+
+
+@pytest.mark.timeout(30)
+def test_connection_refused_is_bounded():
+    from conftest import free_port
+
+    with _client(f"http://127.0.0.1:{free_port()}", max_retries=2) as client:
+        with pytest.raises(BackendError, match="after 3 attempts: ConnectError"):
+            client.generate(CONVERSATIONS[:1], SamplingParams())
