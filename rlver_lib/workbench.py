@@ -269,18 +269,24 @@ def execute_notebook(template: str, output: Path, parameters: dict[str, Any],
 def render_report(notebooks: list[Path], html_path: Path, header_markdown: str) -> Path:
     """Assemble executed notebooks into one ``report.html`` (nbconvert, code hidden).
 
-    Each notebook becomes a section; cells tagged ``report-skip`` and papermill's
-    injected-parameters cells are dropped; figures stay embedded as data URIs.
+    Each notebook becomes a section; cells tagged ``report-skip``, the parameter
+    cells and stderr output (warnings, progress bars) are dropped; errors and
+    figures stay, figures embedded as data URIs.
     Written atomically; returns ``html_path``.
     """
     report = nbformat.v4.new_notebook()
     report.cells.append(nbformat.v4.new_markdown_cell(header_markdown))
-    for path in notebooks:
+    for number, path in enumerate(notebooks):
         if not path.exists():
             continue
         nb = nbformat.read(path, as_version=4)
         report.cells.append(nbformat.v4.new_markdown_cell(f"---\n*Section from `{path.name}`*"))
-        report.cells.extend(nb.cells)
+        for cell in nb.cells:  # the same template may appear twice: keep cell ids unique
+            cell["id"] = f"s{number}-{cell.get('id', len(report.cells))}"
+            if cell.cell_type == "code":  # warnings and progress bars are not for readers
+                cell.outputs = [o for o in cell.outputs
+                                if not (o.output_type == "stream" and o.get("name") == "stderr")]
+            report.cells.append(cell)
         report.metadata.setdefault("kernelspec", nb.metadata.get("kernelspec", {}))
         report.metadata.setdefault("language_info", nb.metadata.get("language_info", {}))
     exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True,
@@ -304,7 +310,8 @@ def limits_statement(cfg: RunConfig) -> str:
         f"**Models that ran.** Policy: `{cfg.policy.model}` "
         f"({cfg.policy.backend}, think mode {'on' if cfg.policy.think else 'off'}, "
         f"LoRA r={cfg.policy.lora.r}). Simulated user: {sim_desc}. "
-        f"Training: {cfg.training.algorithm.upper()}, {cfg.training.steps} steps.",
+        f"Training: {cfg.training.algorithm.upper()}, {cfg.training.steps} step(s) of "
+        f"{cfg.training.scenarios_per_step} scenario(s).",
     ]
     small_policy = cfg.policy.model.startswith("embedded:")
     small_sim = sim.backend == "rule" or sim.model.startswith("embedded:")
