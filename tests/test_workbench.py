@@ -25,7 +25,7 @@ STAND_IN = {
                            "if os.environ.get('FAIL_STAGE') == label: raise RuntimeError('boom in ' + label)\n"
                            "(run / 'eval' / label).mkdir(parents=True, exist_ok=True)\n"
                            "(run / 'eval' / label / 'summary.json').write_text('{}')",
-    "06_analysis.ipynb": "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+    "06_analysis.ipynb": "%matplotlib inline\nimport matplotlib.pyplot as plt\n"
                          "from IPython.display import display\n"
                          "fig, ax = plt.subplots(); ax.plot([0, 1], [40, 60]); ax.set_title('Stand-in curve')\n"
                          "display(fig)\nplt.close(fig)\nSECRET_SOURCE_MARKER = 1",
@@ -80,7 +80,7 @@ def test_pipeline_writes_manifest_report_and_resumes(tmp_path, notebooks):
         "01_scenarios.ipynb", "04_evaluation_baseline.ipynb", "06_analysis.ipynb"]
 
     html = report.read_text()
-    assert html.count("data:image/png;base64,") == 1  # the analysis figure, embedded
+    assert html.count('src="data:image/png;base64,') == 1  # the analysis figure, embedded
     assert "SECRET_SOURCE_MARKER" not in html  # code hidden
     assert "Models that ran" in html and "cannot" in html
 
