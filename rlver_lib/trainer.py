@@ -9,8 +9,8 @@ One training step:
    :func:`rlver_lib.rollout.run_rollouts` (the live LoRA policy generates);
 3. reward = final emotion / 100, minus ``training.format_penalty`` for a dialogue with
    any malformed think block; dialogues that ended in ``error`` are left out;
-4. recompute old log-probs (and, for PPO, old values; and reference log-probs with
-   the adapter disabled) on exactly the ids each :class:`~rlver_lib.rollout.TurnSample`
+4. recompute old log-probs (and, for PPO, old values; and, when ``kl_coef > 0``,
+   reference log-probs with the adapter disabled — ``kl_ref`` is NaN otherwise) on exactly the ids each :class:`~rlver_lib.rollout.TurnSample`
    holds — the context the policy saw plus the ids it sampled;
 5. advantages: GRPO — group-normalised dialogue reward given to every policy token
    of the dialogue (all its turns); PPO — GAE over the dialogue's policy tokens, all
@@ -342,12 +342,14 @@ class Trainer:
         for chunk, batch in self._minibatches(samples, self.tcfg.mini_batch_size):
             args = (batch["input_ids"], batch["attention_mask"], batch["mask"])
             out = self.core(*args)
-            with self.model.disable_adapter():
-                ref = self.core(*args)["logprobs"]
+            ref = None
+            if self.tcfg.kl_coef > 0:  # the reference is the same model with the LoRA adapter disabled
+                with self.model.disable_adapter():
+                    ref = self.core(*args)["logprobs"]
             for i, s in enumerate(chunk):
                 n = s.mask.numel()
                 s.old_logprobs = out["logprobs"][i, :n].cpu()
-                s.ref_logprobs = ref[i, :n].cpu()
+                s.ref_logprobs = None if ref is None else ref[i, :n].cpu()
                 if "values" in out:
                     s.old_values = out["values"][i, :n].cpu()
 
@@ -422,10 +424,13 @@ class Trainer:
         pol = alg.clipped_policy_loss(out["logprobs"], batch["old_logprobs"], batch["advantages"], mask,
                                       clip_eps=tc.clip_eps, aggregation=tc.loss_aggregation)
         entropy = alg.masked_mean(out["entropy"], mask)
-        kl = alg.masked_mean(alg.kl_penalty(out["logprobs"], batch["ref_logprobs"], tc.kl_estimator), mask)
-        loss = pol.loss - tc.entropy_coef * entropy + tc.kl_coef * kl
+        loss = pol.loss - tc.entropy_coef * entropy
         parts = {"policy_loss": pol.loss.item(), "clip_fraction": pol.clip_fraction.item(),
-                 "approx_kl_old": pol.approx_kl.item(), "entropy": entropy.item(), "kl_ref": kl.item()}
+                 "approx_kl_old": pol.approx_kl.item(), "entropy": entropy.item()}
+        if "ref_logprobs" in batch:
+            kl = alg.masked_mean(alg.kl_penalty(out["logprobs"], batch["ref_logprobs"], tc.kl_estimator), mask)
+            loss = loss + tc.kl_coef * kl
+            parts["kl_ref"] = kl.item()
         if "values" in out:
             vloss, vclip = alg.clipped_value_loss(out["values"], batch["old_values"], batch["returns"], mask,
                                                   clip_eps=tc.value_clip_eps)
