@@ -390,10 +390,14 @@ def run_pipeline(cfg: RunConfig, *, params_file: str | None = None,
 
     Each notebook gets the parameters ``params_file`` (the run's resolved
     ``config.yaml``), ``run_dir`` (absolute) and its stage parameters. Stages
-    already complete are skipped. Raises :class:`PipelineError` (chained to
+    already complete are skipped. Under a multi-process launcher (``$RANK`` > 0)
+    see :func:`_follow_pipeline`. Raises :class:`PipelineError` (chained to
     papermill's :class:`~papermill.PapermillExecutionError`, whose message shows the
     failing cell's error) when a stage fails; the manifest records the failure.
     """
+    rank = process_rank()
+    if rank > 0:
+        return _follow_pipeline(cfg, rank)
     run_dir, manifest = prepare_run_dir(cfg, params_file)
     manifest_path = run_dir / "manifest.json"
     stages = pipeline_stages(cfg, run_dir)
@@ -416,6 +420,32 @@ def run_pipeline(cfg: RunConfig, *, params_file: str | None = None,
     manifest["report"] = report.name
     atomic_write_json(manifest_path, manifest)
     return report
+
+
+def process_rank() -> int:
+    """This process's rank under ``accelerate launch`` / ``torchrun`` (``$RANK``), else 0."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def _follow_pipeline(cfg: RunConfig, rank: int) -> Path:
+    """A non-main rank of a multi-process launch: run the same stages (the training
+    notebook needs every rank; its kernel inherits the launcher's environment) with
+    the executed notebooks under ``notebooks/rank<r>/``; rank 0 alone writes the
+    manifest and the report. A stage rank 0 has recorded complete is skipped."""
+    run_dir = cfg.run_dir.resolve()
+    folder = run_dir / "notebooks" / f"rank{rank}"
+    atomic_write_text(folder / "config.yaml", dump_config(cfg))
+    with _kernel_environment(cfg):
+        for stage in pipeline_stages(cfg, run_dir):
+            if stage_complete(run_dir, read_manifest(run_dir), stage):
+                continue
+            try:
+                execute_notebook(stage.notebook, folder / stage.output,
+                                 {"params_file": str(folder / "config.yaml"),
+                                  "run_dir": str(run_dir), **stage.params})
+            except Exception as err:
+                raise PipelineError(f"rank {rank}: stage '{stage.name}' failed\n{err}") from err
+    return run_dir / "report.html"
 
 
 def _run_stage(cfg: RunConfig, run_dir: Path, stage: Stage, manifest: dict[str, Any],

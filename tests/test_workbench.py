@@ -185,3 +185,14 @@ def test_ablation_skips_finished_cells(tmp_path, notebooks):
     assert len(done["runs"]) == 1 and "skipped_at" not in done["stages"]["scenarios"]
     assert len(resumed["runs"]) == 2 and resumed["status"] == "complete"
     assert resumed["stages"]["scenarios"]["started"] >= resumed["runs"][1]["started"]  # re-ran
+
+
+def test_non_main_rank_runs_stages_without_writing_the_manifest(tmp_path, notebooks, monkeypatch):
+    cfg = _cfg(tmp_path, stages=["scenarios", "baseline"])
+    monkeypatch.setenv("RANK", "1")
+    workbench.run_pipeline(cfg, progress=False)
+    run = cfg.run_dir.resolve()
+    assert not (run / "manifest.json").exists() and not (run / "report.html").exists()
+    assert sorted(p.name for p in (run / "notebooks" / "rank1").iterdir()) == [
+        "01_scenarios.ipynb", "04_evaluation_baseline.ipynb", "config.yaml"]
+    assert (run / "eval" / "baseline" / "summary.json").exists()
