@@ -302,38 +302,37 @@ def render_report(notebooks: list[Path], html_path: Path, header_markdown: str) 
 
 
 def limits_statement(cfg: RunConfig) -> str:
-    """Markdown naming the models that ran and what such a run can and cannot show."""
+    """Markdown naming the models that ran and, for the small embedded models or the
+    rule simulator, what such a run can and cannot show."""
     sim = cfg.simulator
     sim_desc = ("the deterministic rule simulator (no language model)" if sim.backend == "rule"
                 else f"`{sim.model}` through `{sim.backend}` ({sim.difficulty} difficulty)")
-    lines = [
-        f"**Models that ran.** Policy: `{cfg.policy.model}` "
-        f"({cfg.policy.backend}, think mode {'on' if cfg.policy.think else 'off'}, "
-        f"LoRA r={cfg.policy.lora.r}). Simulated user: {sim_desc}. "
-        f"Training: {cfg.training.algorithm.upper()}, {cfg.training.steps} step(s) of "
-        f"{cfg.training.scenarios_per_step} scenario(s).",
-    ]
-    small_policy = cfg.policy.model.startswith("embedded:")
-    small_sim = sim.backend == "rule" or sim.model.startswith("embedded:")
-    if small_policy or small_sim:
-        lines.append(
-            "**What this run can and cannot show.** It checks that the whole loop works "
-            "end to end — scenarios, multi-turn rollouts against a simulated user, "
-            "emotion rewards, LoRA updates, benchmark, analysis — and its numbers are "
-            "real measurements of these models. It cannot reproduce the paper's "
-            "findings: a 135M-parameter policy writes short, often generic replies, a "
-            "small (1.5B, 4-bit) simulator gives only a coarse, noisy emotion signal "
-            "(the paper used a DeepSeek-V3-class simulator and a 7B policy), and a few "
-            "training steps on a handful of scenarios move the Sentient score by less "
-            "than its confidence interval. Differences between baseline and trained "
-            "policy here are not evidence about RLVER; for that, run the paper recipes "
-            "on GPUs (`params/paper-*.yaml`, docs/GPU.md)."
-        )
+    training = (f" Training: {cfg.training.algorithm.upper()}, {cfg.training.steps} step(s) of "
+                f"{cfg.training.scenarios_per_step} scenario(s)." if "train" in cfg.stages else "")
+    lines = [f"**Models that ran.** Policy: `{cfg.policy.model}` ({cfg.policy.backend}, think "
+             f"mode {'on' if cfg.policy.think else 'off'}, LoRA r={cfg.policy.lora.r}). "
+             f"Simulated user: {sim_desc}.{training}"]
+    limits = []
+    if cfg.policy.model.startswith("embedded:"):
+        limits.append("a 135M-parameter policy writes short, often generic replies (the paper "
+                      "trained a 7B policy)")
+    if sim.backend != "rule" and sim.model.startswith("embedded:"):
+        limits.append("a small (1.5B, 4-bit) simulator gives only a coarse, noisy emotion signal "
+                      "(the paper used a DeepSeek-V3-class simulator)")
     if sim.backend == "rule":
+        limits.append("the rule simulator scores replies with a fixed function of the text: it "
+                      "verifies plumbing and that the learner can follow a reward, nothing about "
+                      "empathy")
+    if limits:
         lines.append(
-            "The rule simulator scores replies with a fixed function of the text: it "
-            "verifies plumbing and that the learner can follow a reward, nothing about "
-            "empathy."
+            "**What this run can and cannot show.** It checks that the whole loop works end to "
+            "end — scenarios, multi-turn rollouts against a simulated user, emotion rewards, "
+            "LoRA updates, benchmark, analysis — and its numbers are real measurements of these "
+            "models. It cannot reproduce the paper's findings: " + "; ".join(limits) + "; and a "
+            "few training steps on a handful of scenarios move the Sentient score by less than "
+            "its confidence interval. Differences between baseline and trained policy here are "
+            "not evidence about RLVER; for that, run the paper recipes on GPUs "
+            "(`params/paper-*.yaml`, docs/GPU.md)."
         )
     return "\n\n".join(lines)
 

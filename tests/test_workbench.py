@@ -196,3 +196,14 @@ def test_non_main_rank_runs_stages_without_writing_the_manifest(tmp_path, notebo
     assert sorted(p.name for p in (run / "notebooks" / "rank1").iterdir()) == [
         "01_scenarios.ipynb", "04_evaluation_baseline.ipynb", "config.yaml"]
     assert (run / "eval" / "baseline" / "summary.json").exists()
+
+
+def test_limits_statement_names_models_and_limits_only_for_small_models():
+    small = build_config({"stages": ["baseline"]})
+    text = workbench.limits_statement(small)
+    assert "embedded:smollm2-135m-instruct" in text and "135M" in text and "1.5B" in text
+    assert "Training:" not in text  # no train stage
+    big = build_config({"policy": {"model": "Qwen/Qwen2.5-7B-Instruct"},
+                        "simulator": {"backend": "openai", "base_url": "http://h/v1", "model": "sim"}})
+    text = workbench.limits_statement(big)
+    assert "Qwen/Qwen2.5-7B-Instruct" in text and "cannot" not in text and "Training: GRPO" in text
