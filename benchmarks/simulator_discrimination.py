@@ -1,0 +1,154 @@
+"""Does the simulated user's emotion change follow reply content? (issue 2 "Measure")
+
+6 personas x 4 reply types — ``warm`` (addresses the persona's hidden need with
+specifics), ``advice`` (generic advice), ``dismissive``, ``off_topic`` — appraised
+once each at temperature 0 by the simulator (default: the embedded
+Qwen2.5-Coder-1.5B GGUF through llama.cpp), through ``UserSimulator.appraise``.
+
+Control: the same 24 appraisals with the change enum presented in reverse order
+(10 ... -10) in the JSON schema, so a model that picks by option position rather
+than content shows a different table.
+
+Prints mean change per reply type (both presentations), the share of valid
+structured outputs and calls/min; ``--json`` writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from statistics import mean
+
+from rlver_lib.backends import SamplingParams
+from rlver_lib.config import SimulatorConfig
+from rlver_lib.io import atomic_write_json
+from rlver_lib.models import make_simulator_backend
+from rlver_lib.scenarios import Scenario
+from rlver_lib.simulator import (
+    APPRAISAL_SCHEMA,
+    SimulatorError,
+    SimulatorRequest,
+    UserSimulator,
+    appraise_messages,
+    parse_appraisal,
+)
+
+# (persona, situation, personality, hidden intention, opening line, warm need-addressing reply)
+PERSONAS = [
+    ("Maya, 34, ICU nurse, direct, tired", "Her manager blamed her in front of the team for a medication mix-up "
+     "that happened on the previous shift.", "negative", "not_at_fault",
+     "My manager chewed me out in front of everyone today. For something I didn't even do.",
+     "Being blamed in front of your team for a mix-up from a shift you weren't even on is unfair. "
+     "From what you say, this wasn't your fault, and it makes sense you feel angry."),
+    ("Tom, 52, carpenter, few words", "His wife of 25 years died last spring; he still sets two plates "
+     "at dinner.", "avoidant", "be_heard",
+     "Guess I'm fine. House is quiet, that's all.",
+     "A quiet house after 25 years together must be heavy. I'm here and I'm listening, "
+     "take all the time you need to tell me about it."),
+    ("Lena, 19, first-year student, anxious", "She failed her first calculus exam and fears she is not "
+     "smart enough for engineering.", "passive", "practical_advice",
+     "I failed the calc midterm. I don't know what to do.",
+     "One failed midterm is fixable. Go to office hours this week with the exam, redo every missed "
+     "problem, and join a study group; many engineers failed a first calc exam."),
+    ("Raj, 41, project manager, proud", "He led a rescue of a failing product launch; nobody at work "
+     "acknowledged it.", "negative", "specific_praise",
+     "Shipped the launch on time. Nobody said a word, as usual.",
+     "Turning a failing launch around and shipping on time is a real achievement; the way you "
+     "re-planned the schedule and kept the team together took skill."),
+    ("Sofia, 28, graphic designer, sensitive", "Her best friend cancelled her birthday dinner last minute "
+     "for a date.", "avoidant", "understand_others",
+     "My friend bailed on my birthday. Whatever, it's fine.",
+     "That hurt, and it's not really fine. Maybe your friend felt torn or anxious about the date and "
+     "didn't realise how much the dinner meant to you; want to think through why she did it?"),
+    ("Ken, 60, retired teacher, reflective", "He keeps arguing with his adult son about politics and "
+     "wonders what he could do differently.", "passive", "reflect_grow",
+     "Another fight with my son last night. Same old thing.",
+     "It sounds like these fights weigh on you. What do you think you want from these talks with your "
+     "son, and what might you try differently next time?"),
+]
+REPLIES = {
+    "advice": "Try to relax, get some sleep, and maybe exercise more. Things usually get better with time.",
+    "dismissive": "Honestly, everyone has problems. Stop complaining and get over it.",
+    "off_topic": "By the way, did you know octopuses have three hearts? What is your favourite animal?",
+}
+REPLY_TYPES = ("warm", "advice", "dismissive", "off_topic")
+
+
+def requests() -> list[tuple[str, SimulatorRequest]]:
+    out = []
+    for i, (persona, situation, personality, intention, opening, warm) in enumerate(PERSONAS):
+        scenario = Scenario(id=f"disc-{i}", persona=persona, situation=situation, personality=personality,
+                            hidden_intention=intention, opening_line=opening, language="en")
+        for kind in REPLY_TYPES:
+            reply = warm if kind == "warm" else REPLIES[kind]
+            history = [{"role": "user", "content": opening}, {"role": "assistant", "content": reply}]
+            out.append((kind, SimulatorRequest(f"{scenario.id}/{kind}", scenario, history, 50, 0)))
+    return out
+
+
+def reversed_presentation(backend, cfg: SimulatorConfig, reqs, seed: int) -> list[int | None]:
+    """The control: the change enum listed from +10 down to -10."""
+    schema = {**APPRAISAL_SCHEMA, "properties": {**APPRAISAL_SCHEMA["properties"],
+              "change": {"type": "integer", "enum": list(range(10, -11, -1))}}}
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, seed=seed)
+    generations = backend.generate([appraise_messages(r, cfg.difficulty) for r in reqs], sampling, json_schema=schema)
+    changes = []
+    for g in generations:
+        try:
+            changes.append(parse_appraisal(g.text)["change"])
+        except SimulatorError:
+            changes.append(None)
+    return changes
+
+
+def table(kinds, changes) -> dict[str, float | None]:
+    """Mean of the valid changes per reply type (``None`` when a type has none)."""
+    result = {}
+    for kind in REPLY_TYPES:
+        valid = [c for k, c in zip(kinds, changes) if k == kind and c is not None]
+        result[kind] = mean(valid) if valid else None
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--difficulty", choices=["easy", "moderate", "hard"], default="moderate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+
+    cfg = SimulatorConfig(temperature=0.0, max_new_tokens=args.max_new_tokens, max_retries=0,
+                          difficulty=args.difficulty)
+    backend = make_simulator_backend(cfg, args.seed)
+    kinds, reqs = zip(*requests())
+    start = time.perf_counter()
+    turns = UserSimulator(backend, cfg, seed=args.seed).appraise(list(reqs))
+    main_s = time.perf_counter() - start
+    control = reversed_presentation(backend, cfg, reqs, args.seed)
+    total_s = time.perf_counter() - start
+    changes = [t.change for t in turns]
+    figures = {
+        "settings": vars(args),
+        "mean_change": table(kinds, changes),
+        "mean_change_control": table(kinds, control),
+        "valid_share": sum(c is not None for c in changes) / len(changes),
+        "valid_share_control": sum(c is not None for c in control) / len(control),
+        "calls_per_min": 60 * 2 * len(reqs) / total_s,
+        "seconds_main": main_s,
+        "per_call": [{"reply_type": k, "dialogue_id": t.dialogue_id, "change": t.change, "control": c,
+                      "inner_reaction": t.appraisal.get("inner_reaction")} for k, t, c in zip(kinds, turns, control)],
+    }
+    print(f"{'reply type':12s} {'mean change':>12s} {'control':>8s}")
+    for k in REPLY_TYPES:
+        a, b = figures["mean_change"][k], figures["mean_change_control"][k]
+        print(f"{k:12s} {a if a is None else f'{a:+.2f}':>12} {b if b is None else f'{b:+.2f}':>8}")
+    print(f"valid structured outputs: {figures['valid_share']:.0%} (control {figures['valid_share_control']:.0%}); "
+          f"{figures['calls_per_min']:.1f} calls/min")
+    if args.json:
+        atomic_write_json(args.json, figures)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
