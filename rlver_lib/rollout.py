@@ -346,8 +346,9 @@ def run_rollouts(
     derived from ``seed`` and the turn); ``max_context_tokens``: when set, a
     dialogue whose next policy context plus ``sampling.max_new_tokens`` would
     exceed it ends before that turn, with ``max_turns`` (its last reply was
-    already appraised); needs a policy backend with ``prompt_ids(conversation)``. ``format_violation``: ``keep_reply`` (the reply with all
-    think tags and thought removed goes on) or ``end_dialogue``.
+    already appraised); needs a policy backend with ``prompt_ids(conversation)``.
+    ``format_violation``: ``keep_reply`` (the reply with all think tags and
+    thought removed goes on) or ``end_dialogue``.
     Returns trajectories in order (scenario order, then replica ``k``); each has
     ``group_id`` = scenario id (GRPO groups). Raises ``ValueError`` on bad arguments
     or when the simulator answers for the wrong dialogues.
@@ -375,15 +376,20 @@ def run_rollouts(
                 raise ValueError(f"policy returned {len(generations)} generations for {len(live)} dialogues")
             to_user = [d for d, g in zip(live, generations) if _record_policy_turn(d, turn, g, think, format_violation)]
             if to_user:
-                requests = [SimulatorRequest(d.dialogue_id, d.scenario, list(d.history), d.emotion, turn) for d in to_user]
-                results = simulator.step(requests)
-                by_id = {r.dialogue_id: r for r in results}
-                if len(results) != len(requests) or set(by_id) != {d.dialogue_id for d in to_user}:
-                    raise ValueError("simulator results do not match the requested dialogue ids")
-                for d in to_user:
-                    _record_user_turn(d, by_id[d.dialogue_id])
+                _simulate(simulator, to_user, turn)
             bar.update(1)
     return [d.trajectory() for d in dialogues]
+
+
+def _simulate(simulator: Simulator, dialogues: list[_Dialogue], turn: int) -> None:
+    """One batched simulator step over ``dialogues``; results are matched by dialogue id."""
+    requests = [SimulatorRequest(d.dialogue_id, d.scenario, list(d.history), d.emotion, turn) for d in dialogues]
+    results = simulator.step(requests)
+    by_id = {r.dialogue_id: r for r in results}
+    if len(results) != len(requests) or set(by_id) != {d.dialogue_id for d in dialogues}:
+        raise ValueError("simulator results do not match the requested dialogue ids")
+    for d in dialogues:
+        _record_user_turn(d, by_id[d.dialogue_id])
 
 
 def _within_context(

@@ -185,6 +185,17 @@ def test_simulator_error_ends_dialogue_and_private_fields_never_leak():
     assert ok_policy_dialogue.termination == "max_turns"
 
 
+def test_simulator_answering_for_other_dialogues_is_an_error():
+    class Swapped(RuleSimulator):
+        def step(self, requests):
+            turns = super().step(requests)
+            turns[0].dialogue_id = "someone-else#0"
+            return turns
+
+    with pytest.raises(ValueError, match="dialogue ids"):
+        run(ScriptedPolicy(lambda c: "Hm."), Swapped(), [scenario("a"), scenario("b")])
+
+
 def test_failed_opening_is_an_error_dialogue():
     class Broken:
         def generate(self, conversations, sampling, json_schema=None):
