@@ -315,8 +315,8 @@ class LlamaCppBackend:
                     top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
                     seed=_conversation_seed(sampling.seed, index), response_format=response_format,
                 )
-            except ValueError as err:
-                raise BackendError(f"llama.cpp rejected conversation {index}: {err}") from err
+            except (ValueError, RuntimeError) as err:
+                raise BackendError(f"llama.cpp failed on conversation {index}: {err}") from err
             choice = response["choices"][0]
             results.append(Generation(
                 text=choice["message"]["content"] or "",

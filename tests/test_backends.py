@@ -164,7 +164,7 @@ def test_llamacpp_json_output_valid_and_seeded(llama_backend):
 
 def test_llamacpp_context_overflow_is_backend_error(llama_backend):
     long = [{"role": "user", "content": "word " * 2000}]
-    with pytest.raises(BackendError, match="conversation 0"):
+    with pytest.raises(BackendError, match="failed on conversation 0"):
         llama_backend.generate([long], SamplingParams(max_new_tokens=4))
 
 

