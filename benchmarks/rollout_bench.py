@@ -70,7 +70,7 @@ def _phase(policy: Timed, simulator_backend: Timed | None, fn) -> dict:
     wall = time.perf_counter() - start
     sim_s = simulator_backend.seconds if simulator_backend else 0.0
     sim_tokens = simulator_backend.tokens if simulator_backend else 0
-    return {
+    figures = {
         "wall_s": wall, "policy_s": policy.seconds, "simulator_s": sim_s,
         "policy_tokens": policy.tokens, "simulator_tokens": sim_tokens,
         "dialogues": len(trajectories),
@@ -78,6 +78,8 @@ def _phase(policy: Timed, simulator_backend: Timed | None, fn) -> dict:
         "tokens_per_s": (policy.tokens + sim_tokens) / wall,
         "terminations": sorted({t.termination for t in trajectories}),
     }
+    print(f"  phase done: {json.dumps(figures)}", flush=True)
+    return figures
 
 
 def main(argv=None) -> dict:
