@@ -199,24 +199,26 @@ class _ScriptedServer:
     def __init__(self, *, fail: int = 0, status: int = 503, sleep_s: float = 0.0):
         self.fail, self.status, self.sleep_s = fail, status, sleep_s
         self.requests = 0
+        self.bodies: list[dict] = []
         self.lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
-                self.rfile.read(int(self.headers["Content-Length"]))
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server.lock:
                     server.requests += 1
+                    server.bodies.append(body)
                     failing = server.requests <= server.fail
                 if failing and server.sleep_s:
                     time.sleep(server.sleep_s)
                 code = server.status if failing and not server.sleep_s else 200
-                body = json.dumps(COMPLETION if code == 200 else {"error": "scripted"}).encode()
+                answer = json.dumps(COMPLETION if code == 200 else {"error": "scripted"}).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(answer)
 
             def log_message(self, *args):
                 pass
@@ -290,3 +292,16 @@ def test_connection_refused_is_bounded():
     with _client(f"http://127.0.0.1:{free_port()}", max_retries=2) as client:
         with pytest.raises(BackendError, match="after 3 attempts: ConnectError"):
             client.generate(CONVERSATIONS[:1], SamplingParams())
+
+
+@pytest.mark.timeout(30)
+def test_request_body_is_openai_json_schema_with_per_conversation_seeds():
+    with _ScriptedServer() as server, _client(server.url, response_format="json_schema") as client:
+        client.generate(CONVERSATIONS[:2], SamplingParams(temperature=0.5, top_p=0.9, max_new_tokens=7, seed=40),
+                        json_schema=APPRAISAL_SCHEMA)
+    bodies = sorted(server.bodies, key=lambda b: b["seed"])
+    assert [b["seed"] for b in bodies] == [40, 41]
+    assert [b["messages"] for b in bodies] == CONVERSATIONS[:2]
+    assert bodies[0]["response_format"] == {
+        "type": "json_schema", "json_schema": {"name": "response", "schema": APPRAISAL_SCHEMA, "strict": True}}
+    assert (bodies[0]["temperature"], bodies[0]["top_p"], bodies[0]["max_tokens"]) == (0.5, 0.9, 7)
