@@ -74,9 +74,9 @@ REPLIES = {
 REPLY_TYPES = ("warm", "advice", "dismissive", "off_topic")
 
 
-def requests() -> list[tuple[str, SimulatorRequest]]:
+def requests(n_personas: int = len(PERSONAS)) -> list[tuple[str, SimulatorRequest]]:
     out = []
-    for i, (persona, situation, personality, intention, opening, warm) in enumerate(PERSONAS):
+    for i, (persona, situation, personality, intention, opening, warm) in enumerate(PERSONAS[:n_personas]):
         scenario = Scenario(id=f"disc-{i}", persona=persona, situation=situation, personality=personality,
                             hidden_intention=intention, opening_line=opening, language="en")
         for kind in REPLY_TYPES:
@@ -114,6 +114,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--difficulty", choices=["easy", "moderate", "hard"], default="moderate")
+    parser.add_argument("--personas", type=int, default=len(PERSONAS), help="use the first N personas")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -121,10 +122,11 @@ def main(argv=None) -> dict:
     cfg = SimulatorConfig(temperature=0.0, max_new_tokens=args.max_new_tokens, max_retries=0,
                           difficulty=args.difficulty)
     backend = make_simulator_backend(cfg, args.seed)
-    kinds, reqs = zip(*requests())
+    kinds, reqs = zip(*requests(args.personas))
     start = time.perf_counter()
     turns = UserSimulator(backend, cfg, seed=args.seed).appraise(list(reqs))
     main_s = time.perf_counter() - start
+    print(f"main presentation ({main_s:.0f} s): {table(kinds, [t.change for t in turns])}", flush=True)
     control = reversed_presentation(backend, cfg, reqs, args.seed)
     total_s = time.perf_counter() - start
     changes = [t.change for t in turns]
