@@ -201,7 +201,7 @@ class Scenario(BaseModel):
 
 
 class _ScenarioRecord(BaseModel):
-    """Our file format (``situation`` must be structured; ``language`` may be omitted)."""
+    """Our file format (structured ``situation``; ``language`` may be omitted)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -215,6 +215,13 @@ class _ScenarioRecord(BaseModel):
     traits: list[Text] = Field(default_factory=list)
     split: Literal["train", "test"] | None = None
     source: str | None = None
+
+
+class _FreeTextRecord(_ScenarioRecord):
+    """Our format with a free-text ``situation``: how imported profiles are written
+    back by :meth:`Scenario.to_record`, so every scenario round-trips."""
+
+    situation: Text
 
 
 class _ProfileRecord(BaseModel):
@@ -369,11 +376,13 @@ def _issues_from_validation(path: Path, raw: _RawRecord, err: ValidationError,
 
 
 def _convert_ours(path: Path, raw: _RawRecord) -> tuple[Scenario | None, list[ScenarioIssue]]:
+    free_text = isinstance(raw.obj, dict) and isinstance(raw.obj.get("situation"), str)
     try:
-        rec = _ScenarioRecord.model_validate(raw.obj)
+        rec = (_FreeTextRecord if free_text else _ScenarioRecord).model_validate(raw.obj)
     except ValidationError as err:
         return None, _issues_from_validation(path, raw, err)
-    detected = detect_language(rec.persona + " " + rec.situation.background)
+    situation = rec.situation if free_text else rec.situation.background
+    detected = detect_language(rec.persona + " " + situation)
     if rec.language is not None and rec.language != detected:
         line = raw.field_lines.get("language", raw.line)
         return None, [ScenarioIssue(str(path), line, "language",

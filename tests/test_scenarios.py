@@ -168,8 +168,10 @@ def test_unknown_builtin_name():
         load_scenarios("builtin:dev")
 
 
-def test_record_round_trip(tmp_path):
-    scenarios = load_scenarios("builtin:test")
+@pytest.mark.parametrize("which", ["builtin", "profiles"])
+def test_record_round_trip(tmp_path, which, profiles):
+    # imported profiles keep a free-text situation; it must load back unchanged too
+    scenarios = load_scenarios("builtin:test") if which == "builtin" else profiles["test"][:20]
     path = write_lines(tmp_path / "copy.jsonl", [json.dumps(s.to_record()) for s in scenarios])
     assert load_scenarios(path) == scenarios
 
@@ -186,7 +188,7 @@ def test_record_round_trip(tmp_path):
         ([json.dumps({k: v for k, v in record().items() if k != "hidden_intention"})], 1, "hidden_intention",
          "missing field"),
         ([json.dumps(record(situation=SITUATION | {"conflict": "  "}))], 1, "situation.conflict", "empty field"),
-        ([json.dumps(record(situation="a sentence"))], 1, "situation", "wrong type"),
+        ([json.dumps(record(situation=42))], 1, "situation", "wrong type"),
         ([json.dumps(record()), "", json.dumps(record(id="s2", hidden_intention="revenge"))], 3, "hidden_intention",
          "unknown intention"),
         ([json.dumps(record(personality="cheerful"))], 1, "personality", "unknown personality"),
