@@ -20,6 +20,7 @@ Implementations (DESIGN §3 "backends"):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -99,9 +100,19 @@ class BackendError(RuntimeError):
         self.status = status
 
 
-def _conversation_seed(seed: int | None, index: int) -> int | None:
-    """Seed of the ``index``-th conversation of a batch: ``seed + index`` (or ``None``)."""
-    return None if seed is None else seed + index
+def derive_seed(*parts: Any) -> int:
+    """A 31-bit seed from any parts (``repr`` hashed with SHA-256); stable across runs."""
+    digest = hashlib.sha256(repr(parts).encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def conversation_seed(seed: int | None, conversation: Conversation) -> int | None:
+    """Seed of one conversation of a batch: derived from the call's ``seed`` and the
+    conversation's content, so a conversation samples the same way whichever batch
+    (and position) it is sent in. ``None`` when ``seed`` is ``None``."""
+    if seed is None:
+        return None
+    return derive_seed(seed, json.dumps(list(conversation), sort_keys=True, ensure_ascii=False))
 
 
 # ---------------------------------------------------------------- transformers
@@ -275,7 +286,7 @@ class LlamaCppBackend:
     """In-process llama.cpp over a GGUF file (CPU), for frozen models such as the simulator.
 
     llama.cpp in-process has no batch API: the conversations of a call are run
-    **sequentially**, conversation ``i`` with seed ``sampling.seed + i`` (or the
+    **sequentially**, each with :func:`conversation_seed` (or the
     backend's running RNG, seeded with ``seed`` at construction, when the sampling
     seed is ``None``). ``json_schema`` is turned into a llama.cpp grammar.
 
@@ -313,7 +324,7 @@ class LlamaCppBackend:
                 response = self.llm.create_chat_completion(
                     messages=list(conversation), temperature=sampling.temperature,
                     top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
-                    seed=_conversation_seed(sampling.seed, index), response_format=response_format,
+                    seed=conversation_seed(sampling.seed, conversation), response_format=response_format,
                 )
             except (ValueError, RuntimeError) as err:
                 raise BackendError(f"llama.cpp failed on conversation {index}: {err}") from err
@@ -353,7 +364,7 @@ class OpenAIBackend:
     Python server); ``"auto"`` (default) starts with the first and switches to the
     second for good when the server rejects it (an error that names
     ``response_format``; llama-cpp-python answers HTTP 500).
-    Conversation ``i`` is sent with ``seed = sampling.seed + i``. ``meta`` holds
+    Each conversation is sent with :func:`conversation_seed`. ``meta`` holds
     ``attempts`` and the server's ``usage``.
     """
 
@@ -461,7 +472,7 @@ class OpenAIBackend:
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(conversations))) as pool:
             futures = [
                 pool.submit(self._complete, conv, sampling, json_schema,
-                            _conversation_seed(sampling.seed, i))
+                            conversation_seed(sampling.seed, conv))
                 for i, conv in enumerate(conversations)
             ]
         results: list[Generation | None] = []

@@ -32,14 +32,13 @@ from typing import Any, Literal, Protocol, Sequence
 
 from tqdm.auto import tqdm
 
-from .backends import ChatBackend, Conversation, SamplingParams
+from .backends import ChatBackend, Conversation, SamplingParams, derive_seed
 from .simulator import (
     FAILURE_EMOTION,
     SUCCESS_EMOTION,
     RuleSimulator,
     SimulatorRequest,
     SimulatorTurn,
-    derive_seed,
     prompt_text,
 )
 

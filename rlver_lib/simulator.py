@@ -27,7 +27,6 @@ dialogues share the batch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from importlib import resources
 from string import Template
 from typing import Any, Callable, Literal, Sequence
 
-from .backends import ChatBackend, Conversation, SamplingParams
+from .backends import ChatBackend, Conversation, SamplingParams, derive_seed
 from .config import SimulatorConfig
 
 try:  # the backends module defines it (docs/ARCHITECTURE.md); tolerate its absence
@@ -120,12 +119,6 @@ def apply_change(e: int, change: int) -> tuple[int, int]:
             raise TypeError(f"{name} must be an int, got {value!r}")
     clamped = max(MIN_CHANGE, min(MAX_CHANGE, change))
     return clamped, max(MIN_EMOTION, min(MAX_EMOTION, e + clamped))
-
-
-def derive_seed(*parts: Any) -> int:
-    """A 31-bit seed from any parts (``repr`` hashed with SHA-256); stable across runs."""
-    digest = hashlib.sha256(repr(parts).encode("utf-8")).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 # ---------------------------------------------------------------------------

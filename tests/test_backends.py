@@ -299,9 +299,15 @@ def test_request_body_is_openai_json_schema_with_per_conversation_seeds():
     with _ScriptedServer() as server, _client(server.url, response_format="json_schema") as client:
         client.generate(CONVERSATIONS[:2], SamplingParams(temperature=0.5, top_p=0.9, max_new_tokens=7, seed=40),
                         json_schema=APPRAISAL_SCHEMA)
-    bodies = sorted(server.bodies, key=lambda b: b["seed"])
-    assert [b["seed"] for b in bodies] == [40, 41]
+    bodies = sorted(server.bodies, key=lambda b: b["messages"] == CONVERSATIONS[1])
     assert [b["messages"] for b in bodies] == CONVERSATIONS[:2]
+    seeds = [b["seed"] for b in bodies]
+    assert seeds[0] != seeds[1] and all(0 <= s < 2**31 for s in seeds)
+    # a conversation's seed depends on its content, not on its batch or position
+    with _ScriptedServer() as server, _client(server.url, response_format="json_schema") as client:
+        client.generate([CONVERSATIONS[1]], SamplingParams(temperature=0.5, top_p=0.9, max_new_tokens=7, seed=40),
+                        json_schema=APPRAISAL_SCHEMA)
+    assert server.bodies[0]["seed"] == seeds[1]
     assert bodies[0]["response_format"] == {
         "type": "json_schema", "json_schema": {"name": "response", "schema": APPRAISAL_SCHEMA, "strict": True}}
     assert (bodies[0]["temperature"], bodies[0]["top_p"], bodies[0]["max_tokens"]) == (0.5, 0.9, 7)

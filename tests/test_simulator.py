@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from rlver_lib.backends import Generation
+from rlver_lib.backends import Generation, derive_seed
 from rlver_lib.config import SimulatorConfig
 from rlver_lib.scenarios import Scenario
 from rlver_lib.simulator import (
@@ -20,7 +20,6 @@ from rlver_lib.simulator import (
     UserSimulator,
     apply_change,
     default_change_fn,
-    derive_seed,
     label_for,
     parse_appraisal,
     parse_reply,
