@@ -47,6 +47,15 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_mean((values - mean) ** 2, mask)
 
 
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``values`` ``[B, T]`` shifted and scaled to zero mean, unit variance over the mask
+    positions (advantage normalisation of PPO implementations, e.g. Huang et al. 2022
+    "The 37 implementation details of PPO", detail 7). Masked positions come back 0."""
+    _check_same_shape(values=values, mask=mask)
+    whitened = (values - masked_mean(values, mask)) * torch.rsqrt(masked_var(values, mask) + eps)
+    return whitened * mask
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` to a scalar.
 

@@ -137,6 +137,7 @@ class TrainingConfig(_Strict):
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
     scale_rewards: bool = True
+    whiten_advantages: bool = True  # PPO: GAE advantages to zero mean, unit variance per batch
     loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
     format_penalty: float = Field(0.0, ge=0)
     gradient_checkpointing: bool = False

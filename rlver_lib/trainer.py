@@ -213,8 +213,10 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id
         value_head = None
         if self.tcfg.algorithm == "ppo":
+            # zero-initialised: the first advantages are then the (whitened) returns, not
+            # the noise of a random critic over the backbone's large hidden states
             value_head = nn.Linear(model.config.hidden_size, 1)
-            nn.init.normal_(value_head.weight, std=1.0 / math.sqrt(model.config.hidden_size + 1))
+            nn.init.zeros_(value_head.weight)
             nn.init.zeros_(value_head.bias)
         module = PolicyWithValueHead(model, value_head, cfg.policy.temperature)
         groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": self.tcfg.learning_rate}]
@@ -374,6 +376,8 @@ class Trainer:
         for i, (d, r) in enumerate(zip(dialogues, rows)):
             reward_rows[i, len(r) - 1] = rewards[d]
         adv, ret = alg.gae(reward_rows, values, mask, gamma=self.tcfg.gamma, lam=self.tcfg.lam)
+        if self.tcfg.whiten_advantages:
+            adv = alg.masked_whiten(adv, mask)
         for i, d in enumerate(dialogues):
             offset = 0
             for s in by_dialogue[d]:

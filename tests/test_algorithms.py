@@ -53,6 +53,15 @@ def test_gae_rejects_reward_on_user_token_and_bad_shapes():
 
 # ---------------------------------------------------------------- GRPO advantages
 
+def test_masked_whiten_hand_computed():
+    # policy tokens 1, 2, 3 (mean 2, population variance 2/3); the masked 100 is ignored
+    values = torch.tensor([[1.0, 100.0, 2.0], [3.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    s = math.sqrt(2 / 3)
+    expected = torch.tensor([[-1 / s, 0.0, 0.0], [1 / s, 0.0, 0.0]])
+    torch.testing.assert_close(alg.masked_whiten(values, mask), expected, atol=1e-6, rtol=0)
+
+
 def test_grpo_advantages_hand_computed():
     rewards = torch.tensor([0.2, 0.4, 0.9, 0.5, 0.5, 0.7])
     groups = ["a", "a", "a", "b", "b", "c"]
