@@ -96,6 +96,12 @@ def sample_scenario_indices(n_scenarios: int, position: int, count: int, seed: i
     return indices, position
 
 
+def _zero_stage(accelerator: Accelerator) -> int:
+    """The DeepSpeed ZeRO stage of this launch (0 when DeepSpeed is not in use)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return int(plugin.zero_stage) if plugin is not None else 0
+
+
 class PolicyWithValueHead(nn.Module):
     """The LoRA policy plus (for PPO) a linear value head on the backbone's last hidden state.
 
@@ -198,6 +204,9 @@ class Trainer:
         self.cfg, self.tcfg = cfg, cfg.training
         self.scenarios = list(train_scenarios)
         self.accelerator = Accelerator()
+        if cfg.policy.backend == "vllm" and _zero_stage(self.accelerator) == 3:
+            raise TrainerError("vLLM rollouts need the full LoRA weights on every process after each "
+                               "update; ZeRO-3 shards them. Use params/accelerate/ddp.yaml or zero2.yaml.")
         self.out_dir = cfg.run_dir / "train"
         self._seed_everything(cfg.seed)
 
