@@ -139,17 +139,23 @@ def main(argv=None) -> dict:
         "calls_per_min": 60 * 2 * len(reqs) / total_s,
         "seconds_main": main_s,
         "per_call": [{"reply_type": k, "dialogue_id": t.dialogue_id, "change": t.change, "control": c,
-                      "inner_reaction": t.appraisal.get("inner_reaction")} for k, t, c in zip(kinds, turns, control)],
+                      "inner_reaction": t.appraisal.get("inner_reaction"), "error": t.error,
+                      "raw": t.raw_outputs[-1] if t.raw_outputs else None}
+                     for k, t, c in zip(kinds, turns, control)],
     }
-    print(f"{'reply type':12s} {'mean change':>12s} {'control':>8s}")
-    for k in REPLY_TYPES:
-        a, b = figures["mean_change"][k], figures["mean_change_control"][k]
-        print(f"{k:12s} {a if a is None else f'{a:+.2f}':>12} {b if b is None else f'{b:+.2f}':>8}")
-    print(f"valid structured outputs: {figures['valid_share']:.0%} (control {figures['valid_share_control']:.0%}); "
-          f"{figures['calls_per_min']:.1f} calls/min")
     if args.json:
         atomic_write_json(args.json, figures)
+    print(f"{'reply type':12s} {'mean change':>12s} {'control':>8s}")
+    for k in REPLY_TYPES:
+        a, b = (_fmt(figures[key][k]) for key in ("mean_change", "mean_change_control"))
+        print(f"{k:12s} {a:>12s} {b:>8s}")
+    print(f"valid structured outputs: {figures['valid_share']:.0%} (control {figures['valid_share_control']:.0%}); "
+          f"{figures['calls_per_min']:.1f} calls/min")
     return figures
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.2f}"
 
 
 if __name__ == "__main__":
