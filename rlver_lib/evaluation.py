@@ -200,6 +200,9 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
 class BenchmarkSummary:
     """Benchmark figures over ``n`` dialogues (see the module docstring for units).
 
+    ``n_error``: dialogues that ended with termination ``error`` (the simulator gave
+    no usable appraisal); they carry no verified final emotion, so they are left out
+    of every figure and only counted here.
     ``breakdown``: one row per (factor, level) with columns ``factor, level, n,
     sentient_score, success_rate, failure_rate, mean_turns``; within each factor
     the ``n`` sum to the total.  ``trajectory``: one row per turn with ``turn,
@@ -215,10 +218,12 @@ class BenchmarkSummary:
     mean_turns: Estimate
     breakdown: pd.DataFrame = field(repr=False)
     trajectory: pd.DataFrame = field(repr=False)
+    n_error: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The headline figures as plain JSON-able data (what ``summary.json`` holds)."""
-        out: dict[str, Any] = {"n": self.n, "n_success": self.n_success, "n_failure": self.n_failure}
+        out: dict[str, Any] = {"n": self.n, "n_success": self.n_success, "n_failure": self.n_failure,
+                               "n_error": self.n_error}
         for name in ("sentient_score", "success_rate", "failure_rate", "mean_turns"):
             out[name] = asdict(getattr(self, name))
         return out
@@ -274,11 +279,14 @@ def summarize(
 
     ``records`` are our dialogue records or SAGE result records (mixed is fine).
     Each figure's interval uses :func:`bootstrap_ci` with the same ``seed``.
-    Raises ``ValueError`` when there are no records, :class:`RecordError` on a bad one.
+    Dialogues that ended in ``error`` are excluded and counted in ``n_error``.
+    Raises ``ValueError`` when no scored record remains, :class:`RecordError` on a bad one.
     """
-    views = [dialogue_view(r) for r in records]
+    records = list(records)
+    views = [dialogue_view(r) for r in records if r.get("termination") != "error"]
     if not views:
-        raise ValueError("summarize needs at least one dialogue record")
+        raise ValueError(f"summarize needs at least one scored dialogue record (got {len(records)}, "
+                         "all ended in error)" if records else "summarize needs at least one dialogue record")
     final = np.array([v.final_emotion for v in views])
     boot = dict(n_boot=n_boot, confidence=confidence, seed=seed)
     return BenchmarkSummary(
@@ -291,6 +299,7 @@ def summarize(
         mean_turns=bootstrap_ci([v.n_turns for v in views], **boot),
         breakdown=breakdown_table(views),
         trajectory=trajectory_table(views),
+        n_error=len(records) - len(views),
     )
 
 
@@ -630,7 +639,7 @@ def eval_command(cfg: Any, *, label: str | None = None) -> int:
     s = ev.benchmark.summary
     print(f"{ev.benchmark.label}: Sentient score {s.sentient_score.value:.1f} "
           f"[{s.sentient_score.low:.1f}, {s.sentient_score.high:.1f}], "
-          f"success {s.n_success}/{s.n}, failure {s.n_failure}/{s.n}, "
+          f"success {s.n_success}/{s.n}, failure {s.n_failure}/{s.n}, errors excluded {s.n_error}, "
           f"mean turns {s.mean_turns.value:.2f} -> {ev.benchmark.out_dir}")
     if ev.math is not None:
         a = ev.math.accuracy

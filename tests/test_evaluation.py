@@ -113,6 +113,18 @@ def test_summarize_figures_trajectory_and_breakdown():
     assert json.loads(json.dumps(s.to_dict()))["sentient_score"]["value"] == pytest.approx(55.0)
 
 
+def test_errored_dialogues_are_excluded_and_counted():
+    # a dialogue whose simulator failed keeps its last emotion (40) but was never scored
+    errored = _record(40, [], termination="error", hidden_intention="be_heard", personality="negative",
+                      language="en")
+    s = summarize([*FIXTURE, errored], n_boot=100, seed=0)
+    assert (s.n, s.n_error) == (3, 1)
+    assert s.sentient_score.value == pytest.approx((100 + 5 + 60) / 3)
+    assert s.to_dict()["n_error"] == 1
+    with pytest.raises(ValueError, match="all ended in error"):
+        summarize([errored])
+
+
 def test_summarize_rejects_bad_input():
     with pytest.raises(ValueError):
         summarize([])
