@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from .config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, PolicyConfig, SimulatorConfig
+from .config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, ConfigError, PolicyConfig, SimulatorConfig
 
 if TYPE_CHECKING:
     from .backends import ChatBackend
@@ -258,6 +258,19 @@ def load_causal_lm(name: str, dtype: str = "bfloat16"):
     return model, tokenizer
 
 
+def _check_adapter(adapter: str) -> None:
+    """Fail early, naming ``policy.adapter``, on a local adapter path that is missing or
+    holds no saved LoRA adapter (a Hugging Face id ``org/name`` is left to peft)."""
+    path = Path(adapter).expanduser()
+    looks_local = path.is_absolute() or adapter.startswith((".", "~")) or adapter.count("/") != 1
+    if path.is_dir():
+        if not (path / "adapter_config.json").is_file():
+            raise ConfigError(f"policy.adapter: {adapter!r} holds no adapter_config.json "
+                              "(not a saved LoRA adapter)")
+    elif looks_local:
+        raise ConfigError(f"policy.adapter: no such adapter folder {adapter!r}")
+
+
 def load_policy(policy_cfg: PolicyConfig, *, trainable: bool = False):
     """Load the policy ``(model, tokenizer)`` described by ``policy_cfg``.
 
@@ -265,10 +278,14 @@ def load_policy(policy_cfg: PolicyConfig, *, trainable: bool = False):
     in ``policy_cfg.dtype``. When ``policy_cfg.adapter`` names a saved LoRA adapter
     folder it is loaded on top with peft (trainable when ``trainable``), giving a
     ``peft.PeftModel``. With ``trainable=False`` the model is put in eval mode and
-    its parameters are frozen.
+    its parameters are frozen. Raises :class:`ConfigError` naming ``policy.adapter``
+    when a local adapter folder is missing or holds no ``adapter_config.json``.
     """
+    adapter = policy_cfg.adapter
+    if adapter:
+        _check_adapter(adapter)
     model, tokenizer = load_causal_lm(policy_cfg.model, policy_cfg.dtype)
-    if policy_cfg.adapter:
+    if adapter:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, policy_cfg.adapter, is_trainable=trainable)

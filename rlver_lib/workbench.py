@@ -296,7 +296,8 @@ def render_report(notebooks: list[Path], html_path: Path, header_markdown: str) 
                                                 "parameters"}, enabled=True),
         enabled=True,
     )
-    html, _ = exporter.from_notebook_node(report)
+    title = f"RLVER run report: {html_path.parent.name}"  # the page title; nbconvert's default is "Notebook"
+    html, _ = exporter.from_notebook_node(report, resources={"metadata": {"name": title}})
     atomic_write_text(html_path, html)
     return html_path
 

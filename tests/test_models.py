@@ -10,7 +10,7 @@ import torch
 
 from rlver_lib import models
 from rlver_lib.backends import LlamaCppBackend, OpenAIBackend, TransformersBackend
-from rlver_lib.config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, PolicyConfig, SimulatorConfig
+from rlver_lib.config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, ConfigError, PolicyConfig, SimulatorConfig
 from rlver_lib.models import EmbeddedModelError, join_verified
 
 
@@ -148,6 +148,17 @@ def test_load_policy_loads_dtype_and_adapter(tiny_base, tmp_path):
     names = {n for n, p in trainable.named_parameters() if p.requires_grad}
     assert names and all("lora_" in n for n in names)
     assert trainable.get_base_model().model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("adapter, message", [
+    ("/no/such/adapter", "no such adapter folder"),
+    ("./missing-adapter", "no such adapter folder"),
+    ("EMPTY_DIR", "holds no adapter_config.json"),
+])
+def test_bad_adapter_path_names_the_key_before_loading(tmp_path, adapter, message):
+    adapter = str(tmp_path) if adapter == "EMPTY_DIR" else adapter
+    with pytest.raises(ConfigError, match=f"policy.adapter: .*{message}"):
+        models.load_policy(PolicyConfig(model="/no/such/model/either", adapter=adapter))
 
 
 def test_make_policy_backend_wraps_live_model(embedded_policy):
