@@ -136,7 +136,6 @@ def perturb_lora(model: Any, seed: int, scale: float = 0.02) -> None:
 
 
 def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
     from peft import LoraConfig, get_peft_model
 
     from rlver_lib.backends import SamplingParams, TransformersBackend

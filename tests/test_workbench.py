@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import nbformat
 import pytest
