@@ -343,7 +343,11 @@ def detect_language(text: str) -> Language:
     return "zh" if cjk and cjk >= 0.3 * (cjk + latin) else "en"
 
 
-_HIDDEN_THEME_TRAILER = re.compile(r"\s*#*\s*隐藏主题\s*[:：].*\Z", re.S)
+#: The closing hidden-theme trailer of an RLVER/SAGE scene: a ``####隐藏主题:`` heading
+#: line at the very end, followed by at most one line (the ``task`` sentence, often
+#: behind ``***``).  Headings inside the scene that merely mention the hidden theme
+#: (``**NPC贴合隐藏主题的回复：**``) are not headings of this form and are kept.
+_HIDDEN_THEME_TRAILER = re.compile(r"\s*^#+[ \t]*隐藏主题[ \t]*[:：][^\n]*(?:\n[^\n]*)?\s*\Z", re.M)
 
 
 def _issues_from_validation(path: Path, raw: _RawRecord, err: ValidationError,

@@ -111,6 +111,22 @@ def test_profile_fields_carried_over(profiles, raw_profiles):
     assert all(s.opening_line is None for s in profiles["train"])
 
 
+def test_only_the_final_hidden_theme_trailer_is_stripped_from_all_600_scenes(profiles, raw_profiles):
+    # Independent of the loader's regex: split each raw scene into lines, find the last
+    # line that starts with "####隐藏主题", and expect every line before it, unchanged.
+    mentions_before = 0  # scenes with an earlier "...隐藏主题：" heading (the old regex cut there)
+    for name in ("train", "test"):
+        for scenario, raw in zip(profiles[name], raw_profiles[name]):
+            lines = raw["scene"].split("\n")
+            heading = max(i for i, line in enumerate(lines) if line.startswith("####隐藏主题"))
+            assert heading >= len(lines) - 2  # the trailer: the heading and at most the task line
+            assert raw["task"] in "\n".join(lines[heading:])
+            assert scenario.situation_text == "\n".join(lines[:heading]).strip()
+            mentions_before += any("隐藏主题：" in line or "隐藏主题:" in line for line in lines[:heading])
+    assert mentions_before == 22  # the count of scenes the old loader truncated
+    assert sum(len(v) for v in profiles.values()) == 600
+
+
 def test_54_test_personas_reappear_in_train(profiles, raw_profiles):
     train_keys = {s.persona_key for s in profiles["train"]}
     assert sum(s.persona_key in train_keys for s in profiles["test"]) == 54
