@@ -4,6 +4,8 @@ One :class:`RunConfig` describes a whole run: the policy, the simulated user, th
 scenarios, rollouts, training, evaluation and reporting.  It is loaded from
 ``params/*.yaml``; dotted overrides (``training.steps=4``) come from the command
 line (``rlver run P.yaml --set key=value``) and from papermill parameters.
+A params file may start from another with ``base: other.yaml`` (deep merge,
+:func:`load_params`); the paper recipes share ``params/paper/base.yaml``.
 Unknown keys are errors everywhere (``extra="forbid"``).
 
 Errors: :func:`load_config` raises :class:`ConfigError` naming the file and the
@@ -67,7 +69,9 @@ class PolicyConfig(_Strict):
 class SimulatorConfig(_Strict):
     """The affective simulated user (DESIGN §1).
 
-    ``backend``: ``llamacpp`` (in-process GGUF), ``transformers`` (local HF model),
+    ``backend``: ``llamacpp`` (a GGUF file served by llama.cpp's ``llama-server``, which
+    the workbench starts and stops itself; ``concurrency`` dialogues are decoded
+    together, each in its own slot of ``n_ctx`` tokens), ``transformers`` (local HF model),
     ``openai`` (any OpenAI-compatible server at ``base_url``; the key is read
     from the environment variable named by ``api_key_env``), or ``rule`` (no
     model: the deterministic ``rollout.RuleSimulator`` with its default change
@@ -110,7 +114,6 @@ class RolloutConfig(_Strict):
     """Multi-turn rollout settings used during training."""
 
     max_turns: int = Field(8, ge=1)
-    batch_size: int = Field(32, ge=1)
 
 
 class TrainingConfig(_Strict):
@@ -146,26 +149,121 @@ class TrainingConfig(_Strict):
     tensorboard: bool = False
 
 
+class JudgeConfig(SimulatorConfig):
+    """The benchmark's own simulated user (the *judge*), independent of ``simulator``.
+
+    Same fields and backend kinds as :class:`SimulatorConfig`, plus ``seed`` (the
+    judge's sampling seed; ``None``: the run's ``seed``).  The default is the embedded
+    moderate judge, whatever difficulty or model trained the policy, so runs of one
+    comparison are scored alike.  ``initial_emotion`` is not used: the benchmark starts
+    at ``evaluation.initial_emotion``.
+    """
+
+    seed: int | None = None
+
+
+SAGE_INITIAL_EMOTION, SAGE_POLICY_TURNS = 40, 10
+
+
 class EvaluationConfig(_Strict):
-    """The Sentient benchmark (DESIGN §1): start at 40, at most 10 policy turns."""
+    """The Sentient benchmark (DESIGN §1): start at 40, at most 10 policy turns.
+
+    ``judge``: the simulated user that scores the benchmark (:class:`JudgeConfig`).
+    ``protocol``: ``full`` appraises every policy reply, the last one too; ``sage``
+    reproduces SAGE's stored runs (start 40, 10 policy replies of which only the
+    first 9 are appraised; use SAGE's 100 test profiles as ``scenarios.test`` for
+    leaderboard parity).  ``repeats``: dialogues per scenario, each repeat with its
+    own seed; intervals resample scenarios, not dialogues.
+    """
 
     initial_emotion: int = Field(40, ge=0, le=100)
     max_turns: int = Field(10, ge=1)
     n_scenarios: int | None = Field(None, ge=1)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    protocol: Literal["full", "sage"] = "full"
+    repeats: int = Field(1, ge=1)
     bootstrap_samples: int = Field(1000, ge=10)
     confidence: float = Field(0.95, gt=0, lt=1)
     math_retention: bool = True
     math_n: int | None = Field(None, ge=1)
     math_max_new_tokens: int = Field(64, ge=1)
 
+    @model_validator(mode="after")
+    def _sage_settings(self) -> "EvaluationConfig":
+        if self.protocol == "sage" and (self.initial_emotion, self.max_turns) != (
+                SAGE_INITIAL_EMOTION, SAGE_POLICY_TURNS):
+            raise ValueError(f"evaluation.protocol 'sage' fixes initial_emotion={SAGE_INITIAL_EMOTION} and "
+                             f"max_turns={SAGE_POLICY_TURNS} (got {self.initial_emotion} and {self.max_turns}); "
+                             "use protocol 'full' for other settings")
+        return self
+
+
+class StrategyJudgeConfig(SimulatorConfig):
+    """The model that labels policy replies with the strategy taxonomy
+    (``rlver_lib.analysis.TAXONOMY``): the same backend kinds and fields as
+    :class:`SimulatorConfig` (``difficulty`` and ``initial_emotion`` unused), greedy by
+    default. ``rule`` is the deterministic lexical labeller
+    (``analysis.RuleStrategyJudge``): plumbing and tests only, not a research judge."""
+
+    temperature: float = Field(0.0, ge=0.0)
+    max_new_tokens: int = Field(200, ge=16)
+
 
 class AnalysisConfig(_Strict):
-    """Optional analyses in reports."""
+    """The analysis stage (notebook 06; RLVER §5's strategy and reward-hacking questions).
 
-    strategy_judge: bool = False
+    ``judge``: the strategy judge (:class:`StrategyJudgeConfig`); ``None`` uses the
+    backend and model of ``evaluation.judge``, greedy.  ``judge_sample``: replies
+    labelled per source (baseline, each training step, trained).
+    ``self_agreement_sample``: replies labelled again under ``judge_seeds`` seeds.
+    ``judge_validation_n``: items of the shipped two-pass labelled set the judge is
+    scored on (``None``: all, 0: skip).  ``hacking_probes``: injection probes against
+    ``evaluation.judge`` on ``probe_scenarios`` test scenarios (``None``: every one).
+    ``sycophancy_samples``: policy replies per at-fault scenario, for base and trained.
+    ``consistency_sample``: recorded turns re-appraised by the judge (0 skips).
+    """
+
+    strategy_judge: bool = True
+    judge: StrategyJudgeConfig | None = None
     judge_sample: int = Field(32, ge=1)
+    judge_seeds: int = Field(2, ge=2)
+    self_agreement_sample: int = Field(8, ge=0)
+    judge_validation_n: int | None = Field(None, ge=0)
     consistency_sample: int = Field(8, ge=0)
     hacking_probes: bool = True
+    probe_scenarios: int | None = Field(None, ge=1)
+    sycophancy_samples: int = Field(2, ge=0)
+
+
+class LmEvalConfig(_Strict):
+    """EleutherAI ``lm-eval`` on base and trained policy (needs a model hub; the
+    ``harness`` extra). ``tasks``: harness task names; ``limit``: items per task
+    (``None``: all); ``apply_chat_template`` for instruct models."""
+
+    enabled: bool = False
+    tasks: list[str] = Field(default_factory=lambda: ["gsm8k", "minerva_math500", "humaneval_instruct"])
+    limit: int | None = Field(None, ge=1)
+    batch_size: int | str = "auto"
+    apply_chat_template: bool = True
+
+
+class CapabilityConfig(_Strict):
+    """Capability retention (RLVER §5: maths and code skill kept), ``rlver_lib.capability``.
+
+    Offline: HumanEval pass@1 on ``humaneval_n`` seeded problems (0 skips), each program
+    run with ``timeout_s`` seconds and ``memory_mb`` MiB and no network; maths on the
+    first ``math_n`` shipped items (0 skips), checked with math-verify.  ``lm_eval``: the
+    harness path for GPU users with a model hub.
+    """
+
+    enabled: bool = True
+    humaneval_n: int = Field(20, ge=0)
+    humaneval_max_new_tokens: int = Field(384, ge=16)
+    math_n: int = Field(42, ge=0)
+    math_max_new_tokens: int = Field(256, ge=16)
+    timeout_s: float = Field(5.0, gt=0)
+    memory_mb: int = Field(512, ge=64)
+    lm_eval: LmEvalConfig = Field(default_factory=LmEvalConfig)
 
 
 class RunConfig(_Strict):
@@ -185,6 +283,7 @@ class RunConfig(_Strict):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     analysis: AnalysisConfig = Field(default_factory=AnalysisConfig)
+    capability: CapabilityConfig = Field(default_factory=CapabilityConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -243,18 +342,55 @@ def build_config(
         raise ConfigError(_format_error(source, err)) from None
 
 
-def load_config(
-    path: str | Path, overrides: dict[str, Any] | list[str] | None = None
-) -> RunConfig:
-    """Load ``path`` (YAML), apply overrides, validate. Raises :class:`ConfigError`."""
+def merge_params(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """Deep merge of two params mappings: ``overlay`` wins; nested mappings merge key
+    by key, every other value (lists included) replaces the base value whole. Neither
+    input is modified."""
+    merged = json.loads(json.dumps(base))
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_params(merged[key], value)
+        else:
+            merged[key] = json.loads(json.dumps(value))
+    return merged
+
+
+def load_params(path: str | Path, _chain: tuple[tuple[Path, str], ...] = ()) -> dict[str, Any]:
+    """The params mapping of ``path`` with its ``base:`` chain resolved (not validated).
+
+    A file may name one other params file as ``base: other.yaml``, resolved relative
+    to the including file's folder; the including file's keys are deep-merged over
+    the base's (:func:`merge_params`), and a base may have a base of its own. The
+    result has no ``base`` key. Raises :class:`ConfigError` on an unreadable file, a
+    top level that is not a mapping, a ``base`` that is not a string, or a cycle
+    (the message names the chain, ``a.yaml -> b.yaml -> a.yaml``).
+    """
     path = Path(path)
+    key = path.resolve()
+    seen = [resolved for resolved, _ in _chain]
+    if key in seen:
+        names = [shown for _, shown in _chain[seen.index(key):]] + [str(path)]
+        raise ConfigError(f"{path}: base: cycle {' -> '.join(names)}")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"{path}: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
-    return build_config(data, overrides, source=str(path))
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{path}: base: must be the path of another params file, got {base!r}")
+    return merge_params(load_params(path.parent / base, (*_chain, (key, str(path)))), data)
+
+
+def load_config(
+    path: str | Path, overrides: dict[str, Any] | list[str] | None = None
+) -> RunConfig:
+    """Load ``path`` (YAML, with its ``base:`` chain, :func:`load_params`), apply
+    overrides, validate. Raises :class:`ConfigError`."""
+    return build_config(load_params(path), overrides, source=str(path))
 
 
 def dump_config(cfg: RunConfig) -> str:

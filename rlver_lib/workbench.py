@@ -45,7 +45,7 @@ from nbconvert.preprocessors import TagRemovePreprocessor
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tqdm import tqdm
 
-from .config import ConfigError, RunConfig, build_config, dump_config, load_config
+from .config import ConfigError, RunConfig, build_config, dump_config, load_config, load_params
 from .io import atomic_write_json, atomic_write_text
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -543,10 +543,9 @@ def load_grid(path: str | Path, overrides: list[str] | None = None) -> tuple[Abl
             f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()
         )) from None
     if isinstance(grid.base, str):
-        base_path = (path.parent / grid.base)
         try:
-            base = yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError) as err:
+            base = load_params(path.parent / grid.base)  # a paper recipe's own base: chain too
+        except ConfigError as err:
             raise ConfigError(f"{path}: base: {err}") from None
     else:
         base = grid.base
