@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= $(THREADS)
 export MKL_NUM_THREADS ?= $(THREADS)
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup quickstart test clean-outputs
+.PHONY: setup native doctor quickstart test clean-outputs
 
 $(BIN)/rlver: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,21 @@ $(BIN)/rlver: pyproject.toml
 	$(BIN)/rlver models prepare
 	touch $(BIN)/rlver
 
-setup: $(BIN)/rlver
+# llama.cpp's llama-server for the simulated user, compiled for THIS CPU's instruction
+# sets (AVX2 / AVX-512 ...; never -march=native, never AMX); reused while the CPU
+# matches its stamp, rebuilt otherwise (see rlver_lib/native.py).
+native: $(BIN)/rlver
+	$(BIN)/python -m rlver_lib.native build
+
+doctor: native
+	$(BIN)/rlver doctor
+
+# set-up ends with `rlver doctor` (a smoke generation of each embedded model, each in
+# its own process) whenever the native build is new: a build that does not fit the
+# CPU fails here, naming the signal, not ten minutes into the tests
+setup: native
+	@cmp -s $(VENV)/llama.cpp/build.json $(VENV)/.doctor-ok || \
+	  { $(BIN)/rlver doctor && cp $(VENV)/llama.cpp/build.json $(VENV)/.doctor-ok; }
 
 quickstart: setup
 	$(BIN)/rlver run params/quickstart.yaml

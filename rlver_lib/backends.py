@@ -11,7 +11,8 @@ Implementations (DESIGN §3 "backends"):
 - :class:`TransformersBackend` — local HF model (plain or ``peft.PeftModel``),
   batched left-padded ``generate``, token ids and log-probs for training,
   structured output through an xgrammar logits processor;
-- :class:`LlamaCppBackend` — in-process llama.cpp over a GGUF file (CPU);
+- :class:`LlamaServerBackend` — a GGUF model served by llama.cpp's ``llama-server``
+  in its own process (started and stopped here; CPU; crash-isolated, batched);
 - :class:`OpenAIBackend` — any OpenAI-compatible ``/v1/chat/completions`` server
   (vLLM ``serve``, llama.cpp server, SGLang, hosted APIs) with timeouts, bounded
   retries and concurrent requests;
@@ -279,36 +280,134 @@ class TransformersBackend:
         self.policy_step = step
 
 
-# ---------------------------------------------------------------- llama.cpp
+# ---------------------------------------------------------------- llama.cpp server
 
 
-class LlamaCppBackend:
-    """In-process llama.cpp over a GGUF file (CPU), for frozen models such as the simulator.
+class BackendDied(BackendError):
+    """The process serving a model is gone (crashed, killed, or never came up).
 
-    llama.cpp in-process has no batch API: the conversations of a call are run
-    **sequentially**, each with :func:`conversation_seed` (or the
-    backend's running RNG, seeded with ``seed`` at construction, when the sampling
-    seed is ``None``). ``json_schema`` is turned into a llama.cpp grammar.
-
-    Known limits of llama-cpp-python 0.3.36's schema-to-grammar converter, which
-    callers must design schemas around: integer ``minimum``/``maximum`` are ignored
-    (write a bounded integer as an ``enum``, e.g. ``list(range(-10, 11))``), and raw
-    newlines are allowed inside strings (JSON-parse with ``strict=False``).
-    Token ids and log-probs are not returned; ``meta`` holds the token usage.
-    Raises :class:`FileNotFoundError` for a missing model file and
-    :class:`BackendError` when llama.cpp rejects a request (e.g. context overflow).
+    Not retried: every later call fails the same way. ``signal`` names the signal
+    that ended the process (``"SIGILL"``...), or is ``None`` for a plain exit.
     """
 
-    def __init__(self, model_path: str | Path, *, n_ctx: int = 4096,
-                 n_threads: int | None = None, seed: int = 0):
-        from llama_cpp import Llama
+    def __init__(self, message: str, signal: str | None = None):
+        super().__init__(message)
+        self.signal = signal
+
+
+def _exit_description(returncode: int) -> tuple[str, str | None]:
+    """``("killed by SIGILL", "SIGILL")`` or ``("exited with status 1", None)``."""
+    import signal as signals
+
+    if returncode < 0:
+        try:
+            name = signals.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}", name
+    return f"exited with status {returncode}", None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LlamaServerBackend:
+    """A GGUF model served by llama.cpp's ``llama-server``, started and stopped here.
+
+    The server runs in its own process on loopback (``127.0.0.1``, a free port), so a
+    crash inside native code (SIGILL, SIGSEGV, abort) cannot take the caller down: it
+    surfaces as :class:`BackendDied` naming the signal and the model. Requests go
+    through :class:`OpenAIBackend` (``/v1/chat/completions`` with ``json_schema``
+    response formats and per-conversation seeds), ``parallel`` at a time: the server
+    decodes them together (continuous batching over ``parallel`` slots of ``n_ctx``
+    tokens each) and keeps each slot's prompt in its KV cache, so a dialogue whose
+    prompt grows by appending re-reads only the new tokens.
+
+    ``binary`` defaults to the build for this CPU (:func:`rlver_lib.native.llama_server_path`,
+    raises :class:`~rlver_lib.native.NativeBuildError` when missing or built for another
+    CPU). ``alias`` is the model name the server answers to (default: the file's stem).
+    ``threads`` is used for decoding and prompt processing, with polling off so
+    idle worker threads sleep instead of spinning. Start-up waits for ``/health`` at
+    most ``startup_timeout_s`` seconds; a server that exits or does not answer in time
+    raises :class:`BackendDied` with the tail of its log. :meth:`close` (also on
+    ``with`` exit and at interpreter exit) stops the process.
+    """
+
+    def __init__(self, model_path: str | Path, *, n_ctx: int = 4096, parallel: int = 8,
+                 threads: int | None = None, seed: int = 0, timeout_s: float = 600.0,
+                 max_retries: int = 1, startup_timeout_s: float = 300.0,
+                 binary: str | Path | None = None, alias: str | None = None,
+                 extra_args: Sequence[str] = ()):
+        import atexit
+        import subprocess
+        import tempfile
+
+        from . import native
 
         path = Path(model_path)
         if not path.is_file():
             raise FileNotFoundError(f"GGUF model file not found: {path}")
+        if parallel < 1 or n_ctx < 64:
+            raise ValueError("need parallel >= 1 and n_ctx >= 64")
         self.model_path = path
-        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=n_threads,
-                         n_threads_batch=n_threads, seed=seed, verbose=False)
+        self.binary = Path(binary) if binary else native.llama_server_path()
+        self.port = _free_port()
+        threads = threads or 1
+        self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
+        self.command = [
+            str(self.binary), "--model", str(path), "--host", "127.0.0.1", "--port", str(self.port),
+            "--ctx-size", str(n_ctx * parallel), "--parallel", str(parallel), "--no-kv-unified",
+            "--threads", str(threads), "--threads-batch", str(threads), "--poll", "0",
+            "--seed", str(seed), "--no-webui", "--jinja", "--cache-ram", "512",
+            "--alias", alias or path.stem, *extra_args,
+        ]
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+        atexit.register(self.close)
+        self.client = OpenAIBackend(f"http://127.0.0.1:{self.port}", alias or path.stem, timeout_s=timeout_s,
+                                    max_retries=max_retries, concurrency=parallel,
+                                    response_format="json_schema")
+        self._wait_ready(startup_timeout_s)
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The last ``lines`` lines of the server's log."""
+        try:
+            text = Path(self._log.name).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _died(self, when: str) -> BackendDied:
+        how, name = _exit_description(self.process.returncode)
+        return BackendDied(f"llama-server for {self.model_path.name} {how} {when}; "
+                           f"last log lines:\n{self.log_tail()}", signal=name)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise self._died("while starting")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.close()
+        raise BackendDied(f"llama-server for {self.model_path.name} did not become ready within "
+                          f"{timeout_s:.0f} s; last log lines:\n{self.log_tail()}")
+
+    def check_alive(self) -> None:
+        """Raise :class:`BackendDied` when the server process has ended."""
+        if self.process.poll() is not None:
+            raise self._died("during the run")
 
     def generate(
         self,
@@ -316,25 +415,38 @@ class LlamaCppBackend:
         sampling: SamplingParams,
         json_schema: dict[str, Any] | None = None,
     ) -> list[Generation]:
-        """Run each conversation in turn; see the class notes for seeding and schemas."""
-        response_format = None if json_schema is None else {"type": "json_object", "schema": json_schema}
-        results = []
-        for index, conversation in enumerate(conversations):
+        """Send the conversations to the server concurrently; see the class notes.
+
+        Raises :class:`BackendDied` when the server is gone (before or during the
+        call), :class:`BackendError` when requests fail after their retries.
+        """
+        self.check_alive()
+        try:
+            return self.client.generate(conversations, sampling, json_schema)
+        except BackendError:
+            time.sleep(0.2)  # let a crashing process finish dying before looking
+            self.check_alive()
+            raise
+
+    def close(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s) and close the client."""
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.terminate()
             try:
-                response = self.llm.create_chat_completion(
-                    messages=list(conversation), temperature=sampling.temperature,
-                    top_p=sampling.top_p, max_tokens=sampling.max_new_tokens,
-                    seed=conversation_seed(sampling.seed, conversation), response_format=response_format,
-                )
-            except (ValueError, RuntimeError) as err:
-                raise BackendError(f"llama.cpp failed on conversation {index}: {err}") from err
-            choice = response["choices"][0]
-            results.append(Generation(
-                text=choice["message"]["content"] or "",
-                finish_reason=choice["finish_reason"] or "stop",
-                meta={"usage": dict(response["usage"])},
-            ))
-        return results
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.client.close()
+        self._log.close()
+
+    def __enter__(self) -> "LlamaServerBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # ---------------------------------------------------------------- OpenAI-compatible HTTP

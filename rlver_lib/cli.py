@@ -8,6 +8,7 @@
     rlver sage-score FILE [FILE ...] [--json]        Sentient score of SAGE-format transcripts
     rlver scenarios validate FILE                    exit 0 when valid, else file/line/field named
     rlver models prepare                             convert and check the embedded models
+    rlver doctor                                     CPU, native builds, threads, smoke generations
 
 Exit status: 0 on success, 2 for a bad params file or override (the message names
 the key), 1 when a pipeline stage fails (the failing cell's error is printed).
@@ -21,6 +22,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .config import ConfigError, RunConfig, load_config
 from .workbench import PipelineError, load_grid, run_ablation, run_pipeline
@@ -92,6 +94,14 @@ def _cmd_models_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    configure_threads(None)
+    from .doctor import report
+
+    return report(policy=not args.no_policy, simulator=not args.no_simulator,
+                  binary=args.llama_server, model_path=args.simulator_gguf)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``rlver`` command (sub-commands as in DESIGN §5)."""
     parser = argparse.ArgumentParser(prog="rlver", description=__doc__.split("\n\n")[0])
@@ -130,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
         dest="models_command", required=True)
     models.add_parser("prepare", help="convert the embedded GGUF models into the cache") \
         .set_defaults(func=_cmd_models_prepare)
+
+    doctor = sub.add_parser("doctor", help="CPU features, native builds, threads and a smoke "
+                            "generation of each embedded model (each in its own process)")
+    doctor.add_argument("--no-policy", action="store_true", help="skip the policy smoke test")
+    doctor.add_argument("--no-simulator", action="store_true", help="skip the simulator smoke test")
+    doctor.add_argument("--llama-server", type=Path, help="a llama-server binary to test instead of the build")
+    doctor.add_argument("--simulator-gguf", type=Path, help="a GGUF file to serve instead of the embedded simulator")
+    doctor.set_defaults(func=_cmd_doctor)
     return parser
 
 

@@ -323,9 +323,9 @@ def simulator_model_path(sim_cfg: SimulatorConfig) -> Path:
 def make_simulator_backend(sim_cfg: SimulatorConfig, seed: int) -> "ChatBackend":
     """Build the simulator's chat backend from its config.
 
-    - ``llamacpp``: in-process llama.cpp over :func:`simulator_model_path`
-      (``n_ctx``, ``n_threads`` from the config; threads default to
-      ``$OMP_NUM_THREADS``);
+    - ``llamacpp``: a ``llama-server`` process over :func:`simulator_model_path`,
+      started here on loopback (``concurrency`` slots of ``n_ctx`` tokens each,
+      ``n_threads`` threads, default ``$OMP_NUM_THREADS``); stop it with ``close()``;
     - ``transformers``: a local HF model (id, folder or ``embedded:`` name);
     - ``openai``: ``sim_cfg.base_url``, API key from the environment variable named
       by ``sim_cfg.api_key_env`` (may be unset for local servers).
@@ -333,9 +333,10 @@ def make_simulator_backend(sim_cfg: SimulatorConfig, seed: int) -> "ChatBackend"
     from . import backends
 
     if sim_cfg.backend == "llamacpp":
-        return backends.LlamaCppBackend(
-            simulator_model_path(sim_cfg), n_ctx=sim_cfg.n_ctx,
-            n_threads=sim_cfg.n_threads or _default_threads(), seed=seed,
+        return backends.LlamaServerBackend(
+            simulator_model_path(sim_cfg), n_ctx=sim_cfg.n_ctx, parallel=sim_cfg.concurrency,
+            threads=sim_cfg.n_threads or _default_threads(), seed=seed,
+            timeout_s=sim_cfg.timeout_s, max_retries=sim_cfg.max_retries,
         )
     if sim_cfg.backend == "transformers":
         if sim_cfg.model == EMBEDDED_SIMULATOR:

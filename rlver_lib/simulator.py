@@ -35,15 +35,8 @@ from importlib import resources
 from string import Template
 from typing import Any, Callable, Literal, Sequence
 
-from .backends import ChatBackend, Conversation, SamplingParams, derive_seed
+from .backends import BackendDied, BackendError, ChatBackend, Conversation, SamplingParams, derive_seed
 from .config import SimulatorConfig
-
-try:  # the backends module defines it (docs/ARCHITECTURE.md); tolerate its absence
-    from .backends import BackendError
-except ImportError:  # pragma: no cover - only while backends.py lacks it
-
-    class BackendError(RuntimeError):  # type: ignore[no-redef]
-        """Stand-in until ``rlver_lib.backends.BackendError`` exists."""
 
 
 Label = Literal["S", "A", "B", "C", "F"]
@@ -367,12 +360,17 @@ class UserSimulator:
 
     ``sim_cfg`` gives difficulty (easy / moderate / hard prompt texts),
     temperature, ``max_new_tokens`` and ``max_retries``; ``seed`` seeds every call.
+
+    When the backend's process dies (:class:`~rlver_lib.backends.BackendDied`), the
+    turns in flight fail at once without retries and ``fatal_error`` holds the
+    reason; callers (trainer, benchmark) check it after a rollout and stop.
     """
 
     def __init__(self, backend: ChatBackend, sim_cfg: SimulatorConfig | None = None, *, seed: int = 0):
         self.backend = backend
         self.cfg = sim_cfg or SimulatorConfig()
         self.seed = seed
+        self.fatal_error: str | None = None
 
     def _sampling(self, stage: str, turn: int, attempt: int) -> SamplingParams:
         return SamplingParams(
@@ -400,12 +398,19 @@ class UserSimulator:
         for attempt in range(self.cfg.max_retries + 1):
             if not pending:
                 break
+            if self.fatal_error is not None:
+                for i in pending:
+                    logs[i].failures.append(f"{stage}: backend died: {self.fatal_error}")
+                break
             try:
                 generations = self.backend.generate(
                     [conversations[i] for i in pending], self._sampling(stage, turn, attempt), json_schema=schema
                 )
                 texts: list[str | None] = [g.text for g in generations]
                 problems: list[str | None] = [None] * len(pending)
+            except BackendDied as err:
+                self.fatal_error = str(err)
+                texts, problems = [None] * len(pending), [f"backend died: {err}"] * len(pending)
             except BackendError as err:
                 texts, problems = [None] * len(pending), [f"backend error: {err}"] * len(pending)
             still_pending = []

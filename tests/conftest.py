@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SERVER_START_DEADLINE_S = 180.0
 
 
 @pytest.fixture(scope="session")
@@ -45,49 +40,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_ready(base_url: str, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_DEADLINE_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"llama_cpp.server exited with {process.returncode}:\n"
-                               + log_path.read_text(errors="replace")[-2000:])
-        try:
-            if httpx.get(f"{base_url}/v1/models", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"llama_cpp.server not ready after {SERVER_START_DEADLINE_S:.0f} s")
-
-
 @pytest.fixture(scope="session")
-def openai_server(tmp_path_factory) -> str:
+def openai_server() -> str:
     """Base URL of a real OpenAI-compatible server on loopback.
 
-    ``python -m llama_cpp.server`` over the embedded SmolLM2 GGUF (model alias
-    ``smollm2``), started for the session and always terminated afterwards.
+    llama.cpp's ``llama-server`` (the project's native build) over the embedded
+    SmolLM2 GGUF (model alias ``smollm2``), started for the session and always
+    stopped afterwards.
     """
-    pytest.importorskip("llama_cpp.server.app")
+    from rlver_lib.backends import LlamaServerBackend
     from rlver_lib.models import smollm2_gguf_path
 
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path_factory.mktemp("llama_server") / "server.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf_path()),
-             "--model_alias", "smollm2", "--host", "127.0.0.1", "--port", str(port),
-             "--n_ctx", "2048", "--n_threads", "1", "--n_threads_batch", "1",
-             "--seed", "0", "--verbose", "False"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-    try:
-        _wait_ready(base_url, process, log_path)
-        yield base_url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
+    with LlamaServerBackend(smollm2_gguf_path(), n_ctx=2048, parallel=4, threads=1, seed=0,
+                            alias="smollm2") as server:
+        yield f"http://127.0.0.1:{server.port}"

@@ -1,0 +1,211 @@
+"""The native inference build: llama.cpp's ``llama-server``, compiled for the CPU it runs on.
+
+The embedded simulated user runs in a ``llama-server`` process (see
+:class:`rlver_lib.backends.LlamaServerBackend`). The binary is compiled from the
+llama.cpp sources vendored in the ``llama-cpp-python`` source distribution (a pinned
+version, from the Python package index) with the instruction-set flags chosen from
+the CPU's own feature list (:func:`cmake_args`), never with ``-march=native``:
+
+- each x86-64 extension llama.cpp can use (SSE4.2, AVX, AVX2, FMA, F16C, BMI2,
+  AVX-VNNI, AVX-512 F/CD/VL/DQ/BW, VBMI, VNNI, BF16) is turned on exactly when the
+  CPU reports it;
+- AMX is always off: on virtual machines that report AMX, the tile state is not
+  usable from ggml's worker threads and the AMX kernels die with SIGILL (upstream
+  llama.cpp issues #28328 and #28756); ``-march=native`` would turn it back on.
+
+The build records the feature set it was made for in a stamp file beside the binary
+(:func:`build_info`); :func:`llama_server_path` refuses a binary built for other
+features, so a build never runs on a CPU it was not made for.
+
+``python -m rlver_lib.native build`` builds it (what ``make setup`` runs);
+``python -m rlver_lib.native cmake-args`` prints the flags for this CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+LLAMA_CPP_SOURCE = "llama-cpp-python==0.3.36"
+BINARY = "llama-server"
+
+# (cmake option, the /proc/cpuinfo flags that must all be present)
+X86_OPTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("GGML_SSE42", ("sse4_2",)),
+    ("GGML_AVX", ("avx",)),
+    ("GGML_AVX2", ("avx2",)),
+    ("GGML_FMA", ("fma",)),
+    ("GGML_F16C", ("f16c",)),
+    ("GGML_BMI2", ("bmi2",)),
+    ("GGML_AVX_VNNI", ("avx_vnni",)),
+    # ggml's AVX512 switch compiles with -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw
+    ("GGML_AVX512", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")),
+    ("GGML_AVX512_VBMI", ("avx512f", "avx512vbmi")),
+    ("GGML_AVX512_VNNI", ("avx512f", "avx512_vnni")),
+    ("GGML_AVX512_BF16", ("avx512f", "avx512_bf16")),
+)
+AMX_OPTIONS = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+_COMMON = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_OPENMP=OFF",
+)
+
+
+class NativeBuildError(RuntimeError):
+    """The native build is missing, failed, or was made for another CPU."""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The CPU's feature flags: the ``flags`` line of ``/proc/cpuinfo`` (or of ``cpuinfo``).
+
+    Empty on systems without ``/proc/cpuinfo`` (then :func:`cmake_args` builds natively).
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cmake_args(flags: frozenset[str] | set[str], machine: str | None = None) -> list[str]:
+    """CMake arguments for a llama.cpp build that fits a CPU with ``flags``.
+
+    On x86-64 (``machine`` ``x86_64``/``AMD64``, default: this machine): native
+    tuning off, each instruction-set option on exactly when all its flags are
+    present, AMX always off. Elsewhere (e.g. ``aarch64``, where the AMX problem does
+    not exist) llama.cpp's own native detection is kept.
+    """
+    machine = (machine or platform.machine()).lower()
+    args = list(_COMMON)
+    if machine not in ("x86_64", "amd64"):
+        return args + ["-DGGML_NATIVE=ON"]
+    args.append("-DGGML_NATIVE=OFF")
+    for option, needed in X86_OPTIONS:
+        args.append(f"-D{option}={'ON' if set(needed) <= set(flags) else 'OFF'}")
+    args += [f"-D{option}=OFF" for option in AMX_OPTIONS]
+    return args
+
+
+def enabled_options(args: list[str]) -> list[str]:
+    """The ``GGML_*`` instruction-set options turned on in ``args`` (for reports)."""
+    known = {option for option, _ in X86_OPTIONS}
+    return [a[2:].split("=")[0] for a in args if a.endswith("=ON") and a[2:].split("=")[0] in known]
+
+
+def _fingerprint(args: list[str]) -> dict:
+    return {"source": LLAMA_CPP_SOURCE, "machine": platform.machine(),
+            "options": enabled_options(args), "cmake_args": args}
+
+
+def install_dir() -> Path:
+    """Where the build lives: ``$RLVER_NATIVE_DIR``, else ``<sys.prefix>/llama.cpp``
+    (inside the virtual environment, so a new environment builds anew)."""
+    return Path(os.environ.get("RLVER_NATIVE_DIR") or Path(sys.prefix) / "llama.cpp")
+
+
+def build_info(root: Path | None = None) -> dict | None:
+    """The stamp of the installed build (source, machine, enabled options), or ``None``."""
+    stamp = (root or install_dir()) / "build.json"
+    try:
+        return json.loads(stamp.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def llama_server_path(root: Path | None = None) -> Path:
+    """The ``llama-server`` binary built for this CPU.
+
+    Raises :class:`NativeBuildError` when it is missing or was built for another
+    feature set (the message says how to rebuild: ``make native``).
+    """
+    root = root or install_dir()
+    binary = root / "bin" / BINARY
+    info = build_info(root)
+    if not binary.is_file() or info is None:
+        raise NativeBuildError(f"{BINARY} is not built in {root}; run `make native` "
+                               "(or `python -m rlver_lib.native build`)")
+    wanted = _fingerprint(cmake_args(cpu_flags()))
+    if info.get("cmake_args") != wanted["cmake_args"]:
+        raise NativeBuildError(
+            f"{binary} was built for CPU options {info.get('options')} but this CPU needs "
+            f"{wanted['options']}; rebuild it with `make native`")
+    return binary
+
+
+def _fetch_source(workdir: Path) -> Path:
+    """Download and unpack the pinned source distribution; returns llama.cpp's folder."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    "-d", str(workdir), LLAMA_CPP_SOURCE], check=True)
+    archive = next(workdir.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(archive) as tar:
+        tar.extractall(workdir, filter="data")
+    return next(workdir.glob("llama_cpp_python-*/vendor/llama.cpp"))
+
+
+def build(root: Path | None = None, *, source: Path | None = None, jobs: int | None = None) -> Path:
+    """Build ``llama-server`` for this CPU into ``root`` (default :func:`install_dir`).
+
+    Reuses an existing build made for the same options. ``source`` is a llama.cpp
+    folder (default: fetched from :data:`LLAMA_CPP_SOURCE`). The binary and its stamp
+    are written to a temporary folder and moved into place, so ``root`` holds a
+    complete build or none. Raises :class:`subprocess.CalledProcessError` when cmake
+    fails. Returns the binary's path.
+    """
+    root = root or install_dir()
+    try:
+        return llama_server_path(root)
+    except NativeBuildError:
+        pass
+    args = cmake_args(cpu_flags())
+    print(f"[rlver] building {BINARY} with {', '.join(enabled_options(args)) or 'native'} "
+          f"(AMX off); this takes several minutes", file=sys.stderr, flush=True)
+    jobs = jobs or os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="rlver-llama-build-") as tmp:
+        work = Path(tmp)
+        src = source or _fetch_source(work)
+        out = work / "build"
+        subprocess.run(["cmake", "-S", str(src), "-B", str(out), *args], check=True)
+        subprocess.run(["cmake", "--build", str(out), "--target", BINARY, "-j", str(jobs)], check=True)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        staged = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
+        (staged / "bin").mkdir()
+        shutil.copy2(out / "bin" / BINARY, staged / "bin" / BINARY)
+        (staged / "build.json").write_text(json.dumps(_fingerprint(args), indent=1), encoding="utf-8")
+        staged.chmod(0o755)
+        shutil.rmtree(root, ignore_errors=True)
+        os.replace(staged, root)
+    return llama_server_path(root)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlver_lib.native", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help=f"build {BINARY} for this CPU (reused when already built)")
+    b.add_argument("--source", type=Path, help="a llama.cpp source folder (default: fetch the pinned one)")
+    b.add_argument("--jobs", type=int)
+    sub.add_parser("cmake-args", help="print the CMake arguments chosen for this CPU")
+    args = parser.parse_args(argv)
+    if args.command == "cmake-args":
+        print(" ".join(cmake_args(cpu_flags())))
+        return 0
+    print(build(source=args.source, jobs=args.jobs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

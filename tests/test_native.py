@@ -1,0 +1,203 @@
+"""The native build fits the CPU; native crashes become errors, never a dead run."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import stat
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rlver_lib import native
+from rlver_lib.backends import BackendDied, LlamaServerBackend, SamplingParams
+
+# flags lines as /proc/cpuinfo prints them (trimmed to what matters)
+AVX2_ONLY = ("fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma bmi1 bmi2 avx2 movbe popcnt aes")
+AVX512_NO_AMX = AVX2_ONLY + (" avx512f avx512dq avx512cd avx512bw avx512vl avx512vbmi avx512_vnni"
+                             " avx512_bf16 avx512_vbmi2")
+AMX_FLAGGED = AVX512_NO_AMX + " avx_vnni avx512_fp16 amx_bf16 amx_tile amx_int8"
+
+
+def _options(flags_line: str) -> dict[str, str]:
+    flags = native.cpu_flags(f"processor\t: 0\nflags\t\t: {flags_line}\n")
+    args = native.cmake_args(flags, machine="x86_64")
+    return dict(a[2:].split("=", 1) for a in args)
+
+
+def test_avx2_only_cpu_gets_the_avx2_set():
+    opts = _options(AVX2_ONLY)
+    assert opts["GGML_NATIVE"] == "OFF"
+    on = {k for k, v in opts.items() if k.startswith(("GGML_AVX", "GGML_FMA", "GGML_F16C", "GGML_BMI2",
+                                                      "GGML_SSE42", "GGML_AMX")) and v == "ON"}
+    assert on == {"GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2"}
+
+
+def test_avx512_cpu_without_amx():
+    opts = _options(AVX512_NO_AMX)
+    for key in ("GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16", "GGML_AVX2"):
+        assert opts[key] == "ON", key
+    assert opts["GGML_AVX_VNNI"] == "OFF"  # no avx_vnni flag
+    assert all(opts[k] == "OFF" for k in native.AMX_OPTIONS)
+
+
+def test_amx_flagged_cpu_never_builds_amx():
+    opts = _options(AMX_FLAGGED)
+    assert opts["GGML_NATIVE"] == "OFF"  # -march=native would turn AMX back on
+    assert opts["GGML_AVX_VNNI"] == "ON" and opts["GGML_AVX512"] == "ON"
+    assert [opts[k] for k in native.AMX_OPTIONS] == ["OFF", "OFF", "OFF"]
+
+
+def test_partial_avx512_is_not_enough():
+    # avx512f alone (no bw/vl/dq/cd) must not switch on ggml's AVX512 set
+    opts = _options(AVX2_ONLY + " avx512f")
+    assert opts["GGML_AVX512"] == "OFF"
+
+
+def test_non_x86_keeps_native_detection():
+    assert "-DGGML_NATIVE=ON" in native.cmake_args(frozenset({"neon"}), machine="aarch64")
+
+
+def test_binary_built_for_another_cpu_is_refused(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / native.BINARY).write_text("")
+    other = native.cmake_args(native.cpu_flags(f"flags : {AVX2_ONLY}"), machine="x86_64")
+    here = native.cmake_args(native.cpu_flags())
+    if other == here:
+        other = native.cmake_args(native.cpu_flags(f"flags : {AMX_FLAGGED}"), machine="x86_64")
+    (tmp_path / "build.json").write_text(json.dumps({"cmake_args": other, "options": ["x"]}))
+    with pytest.raises(native.NativeBuildError, match="make native"):
+        native.llama_server_path(tmp_path)
+    (tmp_path / "build.json").write_text(json.dumps({"cmake_args": here, "options": []}))
+    assert native.llama_server_path(tmp_path) == tmp_path / "bin" / native.BINARY
+
+
+# ---------------------------------------------------------------- crashing servers
+
+
+def _script(path: Path, body: str) -> Path:
+    path.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+SIGILL_SERVER = """
+import os, signal
+os.kill(os.getpid(), signal.SIGILL)
+"""
+
+# A real OpenAI-compatible HTTP server on loopback that answers the simulator's two
+# structured calls, then dies by SIGSEGV on request number $DIE_AT.
+FLAKY_SERVER = """
+import json, os, signal, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+die_at = int(os.environ["DIE_AT"])
+count = [0]
+lock = threading.Lock()
+class H(BaseHTTPRequestHandler):
+    def _send(self, code, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self._send(200, {"status": "ok"})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with lock:
+            count[0] += 1
+            if count[0] >= die_at:
+                os.kill(os.getpid(), signal.SIGSEGV)
+        props = body["response_format"]["json_schema"]["schema"]["properties"]
+        if "change" in props:
+            out = {"reply_meaning": "m", "intention_fit": "f", "inner_reaction": "r", "change": 2}
+        else:
+            out = {"reasoning": "x", "message": "I see.", "end_conversation": False}
+        self._send(200, {"choices": [{"message": {"content": json.dumps(out)}, "finish_reason": "stop"}],
+                         "usage": {}})
+    def log_message(self, *a):
+        pass
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_gguf(tmp_path):
+    path = tmp_path / "fake-model.gguf"
+    path.write_bytes(b"GGUF")
+    return path
+
+
+def test_server_killed_by_sigill_is_backend_died(tmp_path, fake_gguf):
+    binary = _script(tmp_path / "llama-server", SIGILL_SERVER)
+    with pytest.raises(BackendDied, match="fake-model.gguf killed by SIGILL while starting") as info:
+        LlamaServerBackend(fake_gguf, binary=binary, startup_timeout_s=30)
+    assert info.value.signal == "SIGILL"
+
+
+def test_doctor_names_the_model_and_fails_on_sigill(tmp_path, fake_gguf):
+    from rlver_lib.doctor import report
+
+    binary = _script(tmp_path / "llama-server", SIGILL_SERVER)
+    out = io.StringIO()
+    status = report(policy=False, binary=binary, model_path=fake_gguf, out=out)
+    text = out.getvalue()
+    assert status == 1
+    assert "smoke simulator fake-model.gguf (llama-server): FAILED" in text
+    assert "killed by SIGILL" in text
+    assert "llama.cpp options for this CPU" in text and "threads: OMP_NUM_THREADS=" in text
+
+
+def test_doctor_cli_exit_status(tmp_path, fake_gguf):
+    from rlver_lib.cli import main
+
+    binary = _script(tmp_path / "llama-server", SIGILL_SERVER)
+    assert main(["doctor", "--no-policy", "--llama-server", str(binary),
+                 "--simulator-gguf", str(fake_gguf)]) == 1
+
+
+def _flaky_simulator(tmp_path, fake_gguf, die_at: int, monkeypatch):
+    from rlver_lib.config import SimulatorConfig
+    from rlver_lib.simulator import UserSimulator
+
+    monkeypatch.setenv("DIE_AT", str(die_at))
+    binary = _script(tmp_path / "llama-server", FLAKY_SERVER)
+    backend = LlamaServerBackend(fake_gguf, binary=binary, parallel=2, timeout_s=10,
+                                 max_retries=0, startup_timeout_s=30)
+    return backend, UserSimulator(backend, SimulatorConfig(max_retries=2), seed=0)
+
+
+def test_server_dying_mid_rollout_gives_error_trajectories(tmp_path, fake_gguf, monkeypatch):
+    from test_rollout import ScriptedPolicy, scenario
+
+    from rlver_lib.rollout import run_rollouts
+
+    # 2 dialogues: turn 1 uses requests 1-4 (appraise x2, reply x2); request 5 kills it
+    backend, simulator = _flaky_simulator(tmp_path, fake_gguf, 5, monkeypatch)
+    try:
+        trajectories = run_rollouts(
+            ScriptedPolicy(lambda conv: "Tell me more."), simulator, [scenario("a"), scenario("b")],
+            max_turns=3, initial_emotion=50, think=False, sampling=SamplingParams(), seed=0,
+            progress=False)
+    finally:
+        backend.close()
+    assert [t.termination for t in trajectories] == ["error", "error"]
+    # the first turn was genuine (+2) and kept; nothing after the crash was invented
+    assert [t.final_emotion for t in trajectories] == [52, 52]
+    assert simulator.fatal_error is not None and "SIGSEGV" in simulator.fatal_error
+    assert backend.process.returncode == -signal.SIGSEGV
+
+
+def test_no_server_process_survives_close(tmp_path, fake_gguf, monkeypatch):
+    backend, _ = _flaky_simulator(tmp_path, fake_gguf, 1000, monkeypatch)
+    pid = backend.process.pid
+    backend.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
