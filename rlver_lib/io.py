@@ -12,7 +12,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 

@@ -59,7 +59,8 @@ def run(policy, simulator, scenarios, **kw):
 # --------------------------------------------------------------------------- think parsing
 
 @pytest.mark.parametrize("text, thought, reply, ok, problem", [
-    ("<think>She feels unheard.</think> That sounds exhausting.", "She feels unheard.", "That sounds exhausting.", True, None),
+    ("<think>She feels unheard.</think> That sounds exhausting.", "She feels unheard.", "That sounds exhausting.",
+     True, None),
     ("<think>plan</think>", "plan", "", False, "empty_reply"),
     ("<think>I should say that", "I should say that", "", False, "missing_close_tag"),
     ("Hi there <think>secret plan", "secret plan", "Hi there", False, "missing_close_tag"),
@@ -71,7 +72,8 @@ def run(policy, simulator, scenarios, **kw):
 ])
 def test_parse_think(text, thought, reply, ok, problem):
     parsed = parse_think(text)
-    assert (re.sub(r"\s+", " ", parsed.thought), parsed.reply, parsed.ok, parsed.problem) == (thought, reply, ok, problem)
+    got = (re.sub(r"\s+", " ", parsed.thought), parsed.reply, parsed.ok, parsed.problem)
+    assert got == (thought, reply, ok, problem)
     assert "<think>" not in parsed.reply and "</think>" not in parsed.reply
 
 

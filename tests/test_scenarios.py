@@ -89,8 +89,8 @@ def test_all_rlver_profiles_load_with_intentions_mapped(profiles, raw_profiles):
     for name in ("train", "test"):
         expected = collections.Counter(TASKS[r["task"]] for r in raw_profiles[name])
         assert collections.Counter(s.hidden_intention for s in profiles[name]) == expected
-        expected_personality = collections.Counter(
-            {"负面型": "negative", "被动型": "passive", "回避型": "avoidant"}[r["main_cha"]] for r in raw_profiles[name])
+        personality_key = {"负面型": "negative", "被动型": "passive", "回避型": "avoidant"}
+        expected_personality = collections.Counter(personality_key[r["main_cha"]] for r in raw_profiles[name])
         assert collections.Counter(s.personality for s in profiles[name]) == expected_personality
         assert [s.id for s in profiles[name]] == [r["id"] for r in raw_profiles[name]]
     assert {s.language for s in profiles["train"] + profiles["test"]} == {"zh"}
