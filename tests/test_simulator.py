@@ -278,3 +278,72 @@ def test_rule_simulator_clamps_and_scripts_replies():
     assert (up.raw_change, up.change, up.emotion, up.reply, up.goodbye) == (40, 10, 65, "now 65", True)
     assert (down.raw_change, down.change, down.emotion, down.label, down.goodbye) == (-40, -10, 5, "F", False)
     assert RuleSimulator().opening_lines([scenario(opening_line=None, language="zh")])[0].startswith("你好")
+
+
+def _rendered(messages) -> str:
+    return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
+
+@pytest.mark.parametrize("language", ["en", "zh"])
+def test_prompt_prefix_is_stable_across_calls_and_turns(language):
+    from rlver_lib.simulator import appraise_messages, reply_messages
+
+    opening = {"role": "user", "content": "I had a rough day."}
+    turn0 = SimulatorRequest("s1#0", scenario("s1", language), [opening, {"role": "assistant", "content": "Oh no."}],
+                             50, 0)
+    later = [*turn0.history, {"role": "user", "content": "It was my manager."},
+             {"role": "assistant", "content": "What happened?"}]
+    turn1 = SimulatorRequest("s1#0", scenario("s1", language), later, 57, 1)
+    appraisal = {"reply_meaning": "m", "intention_fit": "f", "inner_reaction": "r"}
+    first = appraise_messages(turn0, "moderate")
+    # everything up to the end of turn 0's transcript is shared by turn 0's reply call
+    # and by turn 1's appraise call, although the score changed from 50 to 57
+    transcript_end = first[1]["content"].index(turn0.history[-1]["content"]) + len(turn0.history[-1]["content"])
+    shared = _rendered(first)[: len(f"<system>{first[0]['content']}<user>") + transcript_end]
+    assert "50" not in first[0]["content"]  # no score in the static part
+    assert _rendered(reply_messages(turn0, appraisal, 57)).startswith(shared)
+    assert _rendered(appraise_messages(turn1, "moderate")).startswith(shared)
+    assert "57" in appraise_messages(turn1, "moderate")[1]["content"]
+
+
+@pytest.mark.parametrize("language", ["en", "zh"])
+@pytest.mark.parametrize("difficulty", ["easy", "moderate", "hard"])
+def test_every_difficulty_penalises_non_natural_language(language, difficulty):
+    from rlver_lib.simulator import appraise_messages
+
+    text = appraise_messages(request(language=language), difficulty)[1]["content"]
+    assert ("not natural language" in text) if language == "en" else ("不是自然语言" in text)
+    assert "-8" in text and "-10" in text
+
+
+def test_reply_step_rules_follow_personality():
+    from rlver_lib.simulator import reply_messages
+
+    appraisal = {"reply_meaning": "m", "intention_fit": "f", "inner_reaction": "r"}
+    passive = SimulatorRequest("p#0", scenario("p").model_copy(update={"personality": "passive"}),
+                               request().history, 50, 0)
+    text = reply_messages(passive, appraisal, 50)[1]["content"]
+    assert "do not ask the assistant questions" in text
+    assert "never the assistant" in text and "Do not repeat" in text
+    negative = reply_messages(request(), appraisal, 50)[1]["content"]
+    assert "do not ask the assistant questions" not in negative and "push back" in negative
+
+
+def test_field_caps_are_settings():
+    from rlver_lib.simulator import appraisal_schema
+
+    sent = []
+
+    class Recording:
+        def generate(self, conversations, sampling, json_schema=None):
+            sent.append(json_schema)
+            out = {"reply_meaning": "m", "intention_fit": "f", "inner_reaction": "r", "change": 1}
+            if "message" in json_schema["properties"]:
+                out = {"reasoning": "x", "message": "ok", "end_conversation": False}
+            return [Generation(text=json.dumps(out)) for _ in conversations]
+
+    cfg = SimulatorConfig(appraisal_chars=900, message_chars=1500)
+    UserSimulator(Recording(), cfg).step([request()])
+    assert sent[0] == appraisal_schema(900)
+    assert sent[0]["properties"]["reply_meaning"]["maxLength"] == 900
+    assert sent[1]["properties"]["message"]["maxLength"] == 1500
