@@ -1,15 +1,34 @@
 """The Sentient benchmark, SAGE transcript scoring and capability retention (DESIGN §1, §3).
 
 Benchmark (the paper's "Sentient benchmark", RLVER §4.1 / SAGE): held-out scenarios,
-the simulated user starts at emotion 40, at most 10 policy turns, every policy reply
-appraised (the last one too).  Figures, all over dialogues:
+the simulated user starts at emotion 40, at most 10 policy turns.  The simulated
+user that scores it is the **judge** (``evaluation.judge``), a configuration of its
+own: never the training simulator with whatever difficulty trained the policy, so
+every cell of a comparison is scored by the same judge (docs/ARCHITECTURE.md).
+
+Protocols (``evaluation.protocol``):
+
+- ``full`` (default): every policy reply is appraised, the last one too;
+- ``sage``: SAGE's stored runs — 10 policy replies of which only the first 9 are
+  appraised (the stored dialogues that reach the cap have 10 assistant turns and 9
+  emotion updates), start 40.  With SAGE's 100 test profiles this is comparable
+  with the SAGE leaderboard.
+
+Figures, over the dialogues that did not end in a judge error:
 
 - **Sentient score** = mean final emotion, in emotion points [0, 100];
 - **success rate** = share of dialogues whose final emotion is >= 100, in [0, 1];
 - **failure rate** = share whose final emotion is < 10, in [0, 1];
 - **mean turns** = mean number of policy turns, in [0, max_turns].
 
-Each comes with a percentile bootstrap confidence interval (:func:`bootstrap_ci`).
+Intervals are percentile bootstrap intervals that resample **scenarios**
+(:func:`rlver_lib.stats.cluster_bootstrap_ci`): with ``evaluation.repeats`` > 1 the
+repeats of one scenario move together.  Errors: dialogues that ended in a judge
+error (termination ``error``) carry no verified final emotion; they are left out of
+the figures, and the summary gives the error rate and two bounds on their effect:
+the score with them counted at their last emotion and counted as 0.  Dialogues
+stopped by the policy's context budget end with termination ``context_limit`` and
+are counted separately.
 
 Emotion trajectories: turn 0 is the initial emotion, turn k the emotion after the
 k-th policy reply was appraised.  A dialogue that ended before turn k contributes
@@ -17,10 +36,15 @@ its final emotion to ``mean_emotion`` at turn k (carried forward), so the last t
 of ``mean_emotion`` equals the Sentient score; ``mean_emotion_alive`` averages only
 the dialogues still running at turn k, and ``n_alive`` counts them.
 
+Baseline against trained (:func:`paired_comparison`): the same scenarios, repeats
+and seeds; per scenario the mean of trained minus baseline, a bootstrap interval of
+the mean difference over scenarios and a sign-flip permutation test, written to
+``<run>/eval/paired.json``.
+
 Record formats read here (detected per record):
 
 - our dialogue records (``Trajectory.to_record()`` plus the scenario's
-  ``hidden_intention``, ``personality`` and ``language``, added by
+  ``hidden_intention``, ``personality`` and ``language``, and ``repeat``, added by
   :func:`run_benchmark`): ``final_emotion``, ``initial_emotion`` and the transcript
   ``turns`` (``assistant`` entries are policy turns; each ``user`` entry after one
   carries ``change`` and the ``emotion`` after that appraisal);
@@ -32,6 +56,8 @@ Record formats read here (detected per record):
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import re
 import sys
@@ -45,64 +71,31 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from rlver_lib.backends import ChatBackend, SamplingParams
+from rlver_lib.backends import ChatBackend, SamplingParams, derive_seed
 from rlver_lib.io import atomic_write_json, atomic_write_text, iter_jsonl, write_jsonl
+from rlver_lib.stats import MIN_N, Estimate, bootstrap_ci, cluster_bootstrap_ci, paired_difference
+
+__all__ = [
+    "BREAKDOWN_FACTORS", "BenchmarkResult", "BenchmarkSummary", "DialogueView", "Estimate",
+    "Evaluation", "JudgeMismatchError", "RecordError", "bootstrap_ci", "build_judge", "build_simulator",
+    "check_same_judge", "dialogue_view", "evaluate", "headline_markdown", "judge_description",
+    "load_records", "paired_comparison", "run_benchmark", "sage_score", "summarize", "transcript_protocol",
+    "write_paired",
+]
 
 SUCCESS_EMOTION = 100
 FAILURE_EMOTION = 10
 BREAKDOWN_FACTORS = ("hidden_intention", "personality", "language")
 UNKNOWN = "unknown"
+PROTOCOLS = ("full", "sage")
 
 
 class RecordError(ValueError):
     """A dialogue record that is neither one of ours nor a SAGE result record."""
 
 
-# --------------------------------------------------------------------------- bootstrap
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """A point estimate with its percentile bootstrap interval ``[low, high]``."""
-
-    value: float
-    low: float
-    high: float
-    confidence: float
-
-
-def bootstrap_ci(
-    values: Sequence[float] | np.ndarray,
-    *,
-    n_boot: int = 1000,
-    confidence: float = 0.95,
-    seed: int = 0,
-) -> Estimate:
-    """Mean of ``values`` with a percentile bootstrap confidence interval.
-
-    Draws ``n_boot`` resamples of size n with replacement as one index matrix
-    ``numpy.random.default_rng(seed).integers(0, n, size=(n_boot, n))``, takes each
-    resample's mean, and returns the ``(1-confidence)/2`` and ``(1+confidence)/2``
-    percentiles of those means (numpy's default linear interpolation).  Same
-    inputs and seed give the same interval.
-
-    Raises ``ValueError`` on an empty input, non-finite values, ``n_boot < 1`` or a
-    confidence outside (0, 1).
-    """
-    x = np.asarray(values, dtype=float)
-    if x.ndim != 1 or x.size == 0:
-        raise ValueError("bootstrap_ci needs a non-empty 1-D sequence of values")
-    if not np.all(np.isfinite(x)):
-        raise ValueError("bootstrap_ci: values must be finite")
-    if n_boot < 1:
-        raise ValueError(f"bootstrap_ci: n_boot must be >= 1, got {n_boot}")
-    if not 0 < confidence < 1:
-        raise ValueError(f"bootstrap_ci: confidence must be in (0, 1), got {confidence}")
-    idx = np.random.default_rng(seed).integers(0, x.size, size=(n_boot, x.size))
-    means = x[idx].mean(axis=1)
-    alpha = (1 - confidence) / 2
-    low, high = np.percentile(means, [100 * alpha, 100 * (1 - alpha)])
-    return Estimate(float(x.mean()), float(low), float(high), confidence)
+class JudgeMismatchError(ValueError):
+    """Benchmarks that were scored by different judges or protocols cannot be compared."""
 
 
 # --------------------------------------------------------------------------- records
@@ -113,6 +106,12 @@ class DialogueView:
     """The benchmark-relevant view of one dialogue record, whatever its format.
 
     ``emotions``: [initial, after turn 1, ..., after turn k] in emotion points.
+    ``scenario_id``: the cluster for resampling (SAGE: the record ``id``);
+    ``repeat``: which repeat of its scenario (0 for SAGE records).
+    ``n_appraised``: policy replies followed by an emotion update;
+    ``last_unappraised``: the transcript ends with a policy reply that was never
+    appraised (SAGE's 10th reply), not counting a reply ended by a format violation.
+    ``termination``: ours, or ``None`` for SAGE records.
     """
 
     final_emotion: float
@@ -121,17 +120,27 @@ class DialogueView:
     hidden_intention: str
     personality: str
     language: str
+    scenario_id: str = UNKNOWN
+    repeat: int = 0
+    n_appraised: int = 0
+    last_unappraised: bool = False
+    termination: str | None = None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _our_view(record: dict[str, Any]) -> DialogueView:
     turns = record.get("turns") or []
     final = float(record["final_emotion"])
     start = record.get("initial_emotion")
-    path = [float(start)] if isinstance(start, (int, float)) else []
+    path = [float(start)] if _number(start) else []
     path += [float(t["emotion"]) for t in turns
-             if t.get("role") == "user" and isinstance(t.get("emotion"), (int, float))]
+             if t.get("role") == "user" and _number(t.get("emotion")) and _number(t.get("change"))]
     if not path or path[-1] != final:
         path.append(final)
+    termination = record.get("termination")
     return DialogueView(
         final_emotion=final,
         n_turns=sum(t.get("role") == "assistant" for t in turns),
@@ -139,6 +148,11 @@ def _our_view(record: dict[str, Any]) -> DialogueView:
         hidden_intention=str(record.get("hidden_intention") or UNKNOWN),
         personality=str(record.get("personality") or UNKNOWN),
         language=str(record.get("language") or UNKNOWN),
+        scenario_id=str(record.get("scenario_id") or record.get("dialogue_id") or UNKNOWN),
+        repeat=int(record.get("repeat") or 0),
+        n_appraised=sum(t.get("role") == "user" and _number(t.get("change")) for t in turns),
+        last_unappraised=bool(turns) and turns[-1].get("role") == "assistant" and termination != "format_violation",
+        termination=termination,
     )
 
 
@@ -148,13 +162,15 @@ def _sage_view(record: dict[str, Any]) -> DialogueView:
     history = record.get("history") or []
     final = float(record["emo_point"])
     path = [float(m["emotion-point"]) for m in history
-            if m.get("role") == "user" and isinstance(m.get("emotion-point"), (int, float))]
+            if m.get("role") == "user" and _number(m.get("emotion-point"))]
     if not path or path[-1] != final:
         path.append(final)
     task = str(record.get("task") or UNKNOWN)
     intention = {h.zh: h.key for h in HIDDEN_INTENTIONS.values()}.get(task, task)
     character = str(record.get("character") or UNKNOWN)
     personality = {p.zh: p.key for p in PERSONALITY_TYPES.values()}.get(character, character)
+    appraised = sum(m.get("role") == "user" and _number(m.get("emotion-point"))
+                    and i > 0 and history[i - 1].get("role") == "assistant" for i, m in enumerate(history))
     return DialogueView(
         final_emotion=final,
         n_turns=sum(m.get("role") == "assistant" for m in history),
@@ -162,6 +178,9 @@ def _sage_view(record: dict[str, Any]) -> DialogueView:
         hidden_intention=intention,
         personality=personality,
         language="zh" if re.search(r"[\u4e00-\u9fff]", task) else "en",
+        scenario_id=str(record.get("id") or UNKNOWN),
+        n_appraised=appraised,
+        last_unappraised=bool(history) and history[-1].get("role") == "assistant",
     )
 
 
@@ -170,9 +189,9 @@ def dialogue_view(record: dict[str, Any]) -> DialogueView:
 
     Raises :class:`RecordError` when the record has neither field or it is not a number.
     """
-    if isinstance(record.get("final_emotion"), (int, float)):
+    if _number(record.get("final_emotion")):
         return _our_view(record)
-    if isinstance(record.get("emo_point"), (int, float)):
+    if _number(record.get("emo_point")):
         return _sage_view(record)
     raise RecordError("record has neither a numeric 'final_emotion' (ours) nor 'emo_point' (SAGE)")
 
@@ -193,20 +212,46 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def transcript_protocol(views: Sequence[DialogueView]) -> dict[str, Any]:
+    """Which benchmark protocol a set of transcripts follows, read from the transcripts.
+
+    A dialogue whose last entry is a policy reply with no emotion update after it is
+    SAGE's turn rule (the capped dialogue's last reply is never appraised); a dialogue
+    in which every reply is followed by an update is consistent with ``full``.
+    Returns ``{"protocol": "sage" | "full", "n_last_unappraised", "n_all_appraised",
+    "policy_replies", "appraised_replies"}``: ``sage`` when at least one dialogue ends
+    unappraised, else ``full``.  Dialogues that ended early look the same under both.
+    """
+    unappraised = sum(v.last_unappraised for v in views)
+    return {
+        "protocol": "sage" if unappraised else "full",
+        "n_last_unappraised": int(unappraised),
+        "n_all_appraised": int(sum(v.n_appraised >= v.n_turns for v in views)),
+        "policy_replies": int(sum(v.n_turns for v in views)),
+        "appraised_replies": int(sum(v.n_appraised for v in views)),
+    }
+
+
 # --------------------------------------------------------------------------- summary
 
 
 @dataclass
 class BenchmarkSummary:
-    """Benchmark figures over ``n`` dialogues (see the module docstring for units).
+    """Benchmark figures over ``n`` scored dialogues (units: see the module docstring).
 
-    ``n_error``: dialogues that ended with termination ``error`` (the simulator gave
-    no usable appraisal); they carry no verified final emotion, so they are left out
-    of every figure and only counted here.
+    ``n_error``: dialogues that ended with termination ``error`` (the judge gave no
+    usable appraisal); they are left out of every figure.  ``error_rate`` =
+    n_error / (n + n_error); ``score_errors_at_last`` / ``score_errors_as_zero``: the
+    Sentient score over all dialogues with the errored ones counted at their last
+    emotion / as 0 (bounds on what the errors could do).  ``terminations``: count per
+    termination (ours; empty for SAGE records), ``n_context_limit`` among them.
+    ``n_scenarios``: distinct scenarios among the scored dialogues (the resampling
+    unit of every interval).
     ``breakdown``: one row per (factor, level) with columns ``factor, level, n,
-    sentient_score, success_rate, failure_rate, mean_turns``; within each factor
-    the ``n`` sum to the total.  ``trajectory``: one row per turn with ``turn,
-    mean_emotion`` (carried forward), ``mean_emotion_alive``, ``n_alive``.
+    n_scenarios, sentient_score, sentient_low, sentient_high, success_rate,
+    failure_rate, mean_turns``; within each factor the ``n`` sum to the total.
+    ``trajectory``: one row per turn with ``turn, mean_emotion`` (carried forward),
+    ``mean_emotion_alive``, ``n_alive``.
     """
 
     n: int
@@ -219,37 +264,64 @@ class BenchmarkSummary:
     breakdown: pd.DataFrame = field(repr=False)
     trajectory: pd.DataFrame = field(repr=False)
     n_error: int = 0
+    n_scenarios: int = 0
+    error_rate: float = 0.0
+    score_errors_at_last: float = float("nan")
+    score_errors_as_zero: float = float("nan")
+    terminations: dict[str, int] = field(default_factory=dict)
+    protocol_observed: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_context_limit(self) -> int:
+        """Dialogues the policy's context budget stopped (termination ``context_limit``)."""
+        return self.terminations.get("context_limit", 0)
 
     def to_dict(self) -> dict[str, Any]:
         """The headline figures as plain JSON-able data (what ``summary.json`` holds)."""
         out: dict[str, Any] = {"n": self.n, "n_success": self.n_success, "n_failure": self.n_failure,
-                               "n_error": self.n_error}
+                               "n_error": self.n_error, "n_scenarios": self.n_scenarios,
+                               "n_context_limit": self.n_context_limit, "error_rate": self.error_rate,
+                               "score_errors_at_last": self.score_errors_at_last,
+                               "score_errors_as_zero": self.score_errors_as_zero,
+                               "terminations": dict(self.terminations),
+                               "protocol_observed": dict(self.protocol_observed)}
         for name in ("sentient_score", "success_rate", "failure_rate", "mean_turns"):
             out[name] = asdict(getattr(self, name))
         return out
 
 
-def _group_figures(views: list[DialogueView]) -> dict[str, float]:
+def _group_figures(views: list[DialogueView], boot: dict[str, Any]) -> dict[str, float]:
     final = np.array([v.final_emotion for v in views])
+    score = cluster_bootstrap_ci(final, [v.scenario_id for v in views], **boot)
     return {
         "n": len(views),
-        "sentient_score": float(final.mean()),
+        "n_scenarios": len({v.scenario_id for v in views}),
+        "sentient_score": score.value,
+        "sentient_low": score.low,
+        "sentient_high": score.high,
         "success_rate": float((final >= SUCCESS_EMOTION).mean()),
         "failure_rate": float((final < FAILURE_EMOTION).mean()),
         "mean_turns": float(np.mean([v.n_turns for v in views])),
     }
 
 
-def breakdown_table(views: list[DialogueView]) -> pd.DataFrame:
-    """Per-level figures for each factor of :data:`BREAKDOWN_FACTORS` (levels sorted)."""
+BREAKDOWN_COLUMNS = ["factor", "level", "n", "n_scenarios", "sentient_score", "sentient_low",
+                     "sentient_high", "success_rate", "failure_rate", "mean_turns"]
+
+
+def breakdown_table(views: list[DialogueView], *, n_boot: int = 1000, confidence: float = 0.95,
+                    seed: int = 0) -> pd.DataFrame:
+    """Per-level figures for each factor of :data:`BREAKDOWN_FACTORS` (levels sorted), the
+    Sentient score with an interval that resamples the level's scenarios.  Reports grey
+    or drop intervals of levels with fewer than :data:`rlver_lib.stats.MIN_N` scenarios."""
+    boot = dict(n_boot=n_boot, confidence=confidence, seed=seed)
     rows = []
     for factor in BREAKDOWN_FACTORS:
         levels = sorted({getattr(v, factor) for v in views})
         for level in levels:
             group = [v for v in views if getattr(v, factor) == level]
-            rows.append({"factor": factor, "level": level, **_group_figures(group)})
-    return pd.DataFrame(rows, columns=["factor", "level", "n", "sentient_score",
-                                       "success_rate", "failure_rate", "mean_turns"])
+            rows.append({"factor": factor, "level": level, **_group_figures(group, boot)})
+    return pd.DataFrame(rows, columns=BREAKDOWN_COLUMNS)
 
 
 def trajectory_table(views: list[DialogueView]) -> pd.DataFrame:
@@ -275,32 +347,185 @@ def summarize(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> BenchmarkSummary:
-    """Benchmark figures with bootstrap intervals, breakdowns and the mean trajectory.
+    """Benchmark figures with scenario-resampled intervals, breakdowns and the mean trajectory.
 
     ``records`` are our dialogue records or SAGE result records (mixed is fine).
-    Each figure's interval uses :func:`bootstrap_ci` with the same ``seed``.
-    Dialogues that ended in ``error`` are excluded and counted in ``n_error``.
+    Every interval is :func:`rlver_lib.stats.cluster_bootstrap_ci` over scenarios with
+    the same ``seed`` (with one dialogue per scenario, the plain bootstrap).  Dialogues
+    that ended in ``error`` are excluded from the figures and counted in ``n_error``,
+    with the error rate and the two bounds (see :class:`BenchmarkSummary`).
     Raises ``ValueError`` when no scored record remains, :class:`RecordError` on a bad one.
     """
     records = list(records)
-    views = [dialogue_view(r) for r in records if r.get("termination") != "error"]
+    if not records:
+        raise ValueError("summarize needs at least one dialogue record")
+    every = [dialogue_view(r) for r in records]
+    views = [v for v in every if v.termination != "error"]
     if not views:
         raise ValueError(f"summarize needs at least one scored dialogue record (got {len(records)}, "
-                         "all ended in error)" if records else "summarize needs at least one dialogue record")
+                         "all ended in error)")
     final = np.array([v.final_emotion for v in views])
+    clusters = [v.scenario_id for v in views]
     boot = dict(n_boot=n_boot, confidence=confidence, seed=seed)
+    last = np.array([v.final_emotion for v in every])
+    zero = np.array([0.0 if v.termination == "error" else v.final_emotion for v in every])
+    terminations: dict[str, int] = {}
+    for v in every:
+        if v.termination is not None:
+            terminations[v.termination] = terminations.get(v.termination, 0) + 1
     return BenchmarkSummary(
         n=len(views),
         n_success=int((final >= SUCCESS_EMOTION).sum()),
         n_failure=int((final < FAILURE_EMOTION).sum()),
-        sentient_score=bootstrap_ci(final, **boot),
-        success_rate=bootstrap_ci((final >= SUCCESS_EMOTION).astype(float), **boot),
-        failure_rate=bootstrap_ci((final < FAILURE_EMOTION).astype(float), **boot),
-        mean_turns=bootstrap_ci([v.n_turns for v in views], **boot),
-        breakdown=breakdown_table(views),
+        sentient_score=cluster_bootstrap_ci(final, clusters, **boot),
+        success_rate=cluster_bootstrap_ci((final >= SUCCESS_EMOTION).astype(float), clusters, **boot),
+        failure_rate=cluster_bootstrap_ci((final < FAILURE_EMOTION).astype(float), clusters, **boot),
+        mean_turns=cluster_bootstrap_ci([v.n_turns for v in views], clusters, **boot),
+        breakdown=breakdown_table(views, **boot),
         trajectory=trajectory_table(views),
-        n_error=len(records) - len(views),
+        n_error=len(every) - len(views),
+        n_scenarios=len(set(clusters)),
+        error_rate=(len(every) - len(views)) / len(every),
+        score_errors_at_last=float(last.mean()),
+        score_errors_as_zero=float(zero.mean()),
+        terminations=dict(sorted(terminations.items())),
+        protocol_observed=transcript_protocol(every),
     )
+
+
+# --------------------------------------------------------------------------- judge
+
+
+_JUDGE_IDENTITY = ("backend", "model", "base_url", "difficulty", "temperature", "max_new_tokens", "seed")
+
+
+def _prompt_fingerprint(difficulty: str) -> str:
+    """SHA-256 over the simulated user's prompt files a judge of ``difficulty`` reads
+    (``rlver_lib/prompts/sim_*``, other difficulties' rubrics excluded)."""
+    folder = resources.files("rlver_lib").joinpath("prompts")
+    digest = hashlib.sha256()
+    for entry in sorted(folder.iterdir(), key=lambda p: p.name):
+        name = entry.name
+        if not name.startswith("sim_") or (name.startswith("sim_difficulty_")
+                                          and not name.startswith(f"sim_difficulty_{difficulty}_")):
+            continue
+        digest.update(name.encode() + b"\0" + entry.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def judge_description(judge_cfg: Any, seed: int) -> dict[str, Any]:
+    """What identifies a judge, as recorded in ``summary.json`` and the report header.
+
+    ``judge_cfg``: an ``evaluation.judge`` (or any simulator config); ``seed``: the
+    seed the judge samples with.  The rule backend is described by its change function
+    alone; an LLM judge by backend, model, base URL, difficulty, temperature, token
+    budget, seed and ``prompts_sha256`` (its prompt files, so an edited prompt is a
+    different judge).
+    """
+    if judge_cfg.backend == "rule":
+        return {"backend": "rule", "change_function": "default_change_fn"}
+    return {**{k: getattr(judge_cfg, k) for k in _JUDGE_IDENTITY if k != "seed"}, "seed": int(seed),
+            "prompts_sha256": _prompt_fingerprint(judge_cfg.difficulty)}
+
+
+def judge_seed(eval_cfg: Any, run_seed: int) -> int:
+    """The judge's seed: ``evaluation.judge.seed``, else the run's seed."""
+    seed = getattr(eval_cfg.judge, "seed", None)
+    return run_seed if seed is None else int(seed)
+
+
+def judge_label(judge: dict[str, Any]) -> str:
+    """A one-line name of a :func:`judge_description` for reports."""
+    if judge.get("backend") == "rule":
+        return "the rule simulator (no language model)"
+    where = f" at {judge['base_url']}" if judge.get("base_url") else ""
+    return (f"`{judge.get('model')}` through `{judge.get('backend')}`{where}, {judge.get('difficulty')} "
+            f"difficulty, temperature {judge.get('temperature')}, seed {judge.get('seed')}")
+
+
+def protocol_description(eval_cfg: Any) -> dict[str, Any]:
+    """The protocol a benchmark follows: ``name``, ``initial_emotion``, ``max_policy_turns``,
+    ``appraised_turns`` (per capped dialogue) and ``repeats``."""
+    name = getattr(eval_cfg, "protocol", "full")
+    if name not in PROTOCOLS:
+        raise ValueError(f"unknown evaluation protocol {name!r}; expected one of {PROTOCOLS}")
+    return {"name": name, "initial_emotion": int(eval_cfg.initial_emotion),
+            "max_policy_turns": int(eval_cfg.max_turns),
+            "appraised_turns": int(eval_cfg.max_turns) - (1 if name == "sage" else 0),
+            "repeats": int(getattr(eval_cfg, "repeats", 1))}
+
+
+def build_simulator(sim_cfg: Any, seed: int) -> Any:
+    """The simulated user a config asks for: ``simulator.RuleSimulator`` (default change
+    function, no model) when ``sim_cfg.backend == "rule"``, else an LLM
+    ``simulator.UserSimulator`` over ``models.make_simulator_backend``."""
+    if sim_cfg.backend == "rule":
+        from rlver_lib.simulator import RuleSimulator
+
+        return RuleSimulator()
+    from rlver_lib.models import make_simulator_backend
+    from rlver_lib.simulator import UserSimulator
+
+    return UserSimulator(make_simulator_backend(sim_cfg, seed), sim_cfg, seed=seed)
+
+
+def build_judge(eval_cfg: Any, run_seed: int) -> Any:
+    """The benchmark's judge from ``evaluation.judge`` (never ``cfg.simulator``).
+
+    Built as a plain simulator config with the benchmark's start emotion (for generated
+    opening lines) and seeded with :func:`judge_seed`.  Close an LLM judge's backend
+    after use (:func:`close_simulator`).
+    """
+    from rlver_lib.config import SimulatorConfig
+
+    data = eval_cfg.judge.model_dump()
+    data.pop("seed", None)
+    sim_cfg = SimulatorConfig(**{**data, "initial_emotion": eval_cfg.initial_emotion})
+    return build_simulator(sim_cfg, judge_seed(eval_cfg, run_seed))
+
+
+def close_simulator(simulator: Any) -> None:
+    """Close the backend of an LLM simulator (a server it started, an HTTP client), if any."""
+    close = getattr(getattr(simulator, "backend", None), "close", None)
+    if callable(close):
+        close()
+
+
+def _comparison_key(summary: dict[str, Any]) -> tuple[str, str]:
+    judge = summary.get("judge")
+    protocol = summary.get("protocol")
+    return (json.dumps(judge, sort_keys=True), json.dumps(protocol, sort_keys=True))
+
+
+def check_same_judge(summaries: dict[str, dict[str, Any]]) -> None:
+    """Refuse to compare benchmarks scored differently.
+
+    ``summaries`` maps a name (a run or cell) to its ``summary.json`` content.  Raises
+    :class:`JudgeMismatchError` naming the runs and the differing judge or protocol
+    fields when they were not all scored by the same judge under the same protocol,
+    or when a summary does not record its judge (written before judges were recorded).
+    """
+    missing = [name for name, s in summaries.items() if "judge" not in s or "protocol" not in s]
+    if missing:
+        raise JudgeMismatchError(f"cannot compare: {', '.join(missing)} do(es) not record the judge and protocol "
+                                 "that scored it; re-run its evaluation")
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, s in summaries.items():
+        groups.setdefault(_comparison_key(s), []).append(name)
+    if len(groups) <= 1:
+        return
+    items = list(summaries.items())
+    ref_name, ref = items[0]
+    lines = []
+    for name, s in items[1:]:
+        for part in ("judge", "protocol"):
+            a, b = ref.get(part) or {}, s.get(part) or {}
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    lines.append(f"{part}.{key}: {ref_name}={a.get(key)!r} vs {name}={b.get(key)!r}")
+    raise JudgeMismatchError("cannot compare runs judged differently (a score depends on its judge and protocol; "
+                             "set one evaluation.judge and evaluation.protocol for all of them):\n  "
+                             + "\n  ".join(dict.fromkeys(lines)))
 
 
 # --------------------------------------------------------------------------- benchmark
@@ -324,12 +549,59 @@ def _scenario_fields(scenario: Any) -> dict[str, Any]:
     }
 
 
-def write_summary(summary: BenchmarkSummary, out_dir: str | Path, label: str) -> None:
-    """Write ``summary.json``, ``breakdown.csv`` and ``trajectory.csv`` atomically."""
+def write_summary(summary: BenchmarkSummary, out_dir: str | Path, label: str,
+                  extra: dict[str, Any] | None = None) -> None:
+    """Write ``summary.json`` (label, ``extra`` such as judge and protocol, figures),
+    ``breakdown.csv`` and ``trajectory.csv`` atomically."""
     out_dir = Path(out_dir)
-    atomic_write_json(out_dir / "summary.json", {"label": label, **summary.to_dict()})
+    atomic_write_json(out_dir / "summary.json", {"label": label, **(extra or {}), **summary.to_dict()})
     atomic_write_text(out_dir / "breakdown.csv", summary.breakdown.to_csv(index=False))
     atomic_write_text(out_dir / "trajectory.csv", summary.trajectory.to_csv(index=False))
+
+
+def _reseeded(simulator: Any, seed: int) -> Any:
+    """A shallow copy of an LLM simulator sampling with ``seed`` (same backend); a
+    simulator without a seed (the rule simulator) is returned as is."""
+    if not hasattr(simulator, "seed"):
+        return simulator
+    clone = copy.copy(simulator)
+    clone.seed = seed
+    return clone
+
+
+def _visible_history(turns: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    return [{"role": t["role"], "content": t["content"]} for t in turns if isinstance(t.get("content"), str)]
+
+
+def _add_unappraised_reply(policy_backend: ChatBackend, trajectories: list[Any], scenarios: dict[str, Any],
+                           *, appraised_turns: int, think: bool, sampling: SamplingParams, seed: int,
+                           max_context_tokens: int | None) -> None:
+    """SAGE's turn rule: dialogues still running after ``appraised_turns`` appraised
+    replies get one more policy reply, recorded (``"appraised": False``) but never
+    appraised, so the final emotion is the one after the last appraisal."""
+    from rlver_lib.rollout import parse_think, policy_messages
+
+    capped = [t for t in trajectories
+              if t.termination == "max_turns" and sum(x["role"] == "assistant" for x in t.turns) == appraised_turns]
+    count = getattr(policy_backend, "prompt_ids", None)
+    convs, keep = [], []
+    for t in capped:
+        conv = policy_messages(scenarios[t.scenario_id], _visible_history(t.turns), think)
+        if max_context_tokens is not None and count is not None \
+                and len(count(conv)) + sampling.max_new_tokens > max_context_tokens:
+            continue  # the unappraised reply cannot change the score; skip it
+        convs.append(conv)
+        keep.append(t)
+    if not convs:
+        return
+    generations = policy_backend.generate(convs, SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens,
+        seed=derive_seed(seed, "policy", appraised_turns)))
+    for t, g in zip(keep, generations):
+        parsed = parse_think(g.text) if think else None
+        t.turns.append({"role": "assistant", "content": parsed.reply if parsed else g.text.strip(),
+                        "thought": parsed.thought if parsed else "", "format_ok": parsed.ok if parsed else True,
+                        "format_problem": parsed.problem if parsed else None, "raw": g.text, "appraised": False})
 
 
 def run_benchmark(
@@ -345,39 +617,233 @@ def run_benchmark(
     label: str,
     max_context_tokens: int | None = None,
     format_violation: str = "keep_reply",
+    judge: dict[str, Any] | None = None,
+    progress: bool = True,
 ) -> BenchmarkResult:
     """Run the Sentient benchmark and write ``out_dir/{dialogues.jsonl, summary.json,
     breakdown.csv, trajectory.csv}`` atomically.
 
-    One dialogue per scenario (the first ``eval_cfg.n_scenarios`` when set), started
-    at ``eval_cfg.initial_emotion`` and capped at ``eval_cfg.max_turns`` policy
-    turns, through :func:`rlver_lib.rollout.run_rollouts`.  Each record is the
-    trajectory's ``to_record()`` plus ``label`` and the scenario's hidden intention,
-    personality type and language.  ``max_context_tokens`` and ``format_violation``
-    are passed to the rollout (``policy`` config settings of the same names).
-    Raises ``ValueError`` when no scenarios are given.
+    ``simulator`` is the judge (:func:`build_judge`); ``judge`` its
+    :func:`judge_description`, recorded in ``summary.json`` with the protocol.
+    Scenarios: the first ``eval_cfg.n_scenarios`` when set.  Each of
+    ``eval_cfg.repeats`` repeats plays one dialogue per scenario with its own seed
+    (repeat 0: ``seed``; repeat k: ``derive_seed(seed, "repeat", k)``, for the policy
+    and the judge alike), so a baseline and a trained run see the same seeds.
+    Dialogues start at ``eval_cfg.initial_emotion``; protocol ``full`` caps them at
+    ``eval_cfg.max_turns`` appraised policy turns, protocol ``sage`` appraises at most
+    ``max_turns - 1`` and then records one unappraised reply (SAGE's turn rule).
+    Each record is the trajectory's ``to_record()`` plus ``label``, ``repeat``,
+    ``seed``, ``protocol`` and the scenario's hidden intention, personality type and
+    language; dialogue ids are ``<scenario_id>#<repeat>``.  ``max_context_tokens`` and
+    ``format_violation`` are passed to the rollout (``policy`` settings of the same
+    names).  Raises ``ValueError`` when no scenarios are given, ``RuntimeError`` when
+    the judge's backend died during the run.
     """
     from rlver_lib.rollout import run_rollouts
 
     scenarios = list(scenarios)[: eval_cfg.n_scenarios]
     if not scenarios:
         raise ValueError("run_benchmark needs at least one scenario")
-    trajectories = run_rollouts(
-        policy_backend, simulator, scenarios,
-        n_per_scenario=1, max_turns=eval_cfg.max_turns,
-        initial_emotion=eval_cfg.initial_emotion, think=think,
-        sampling=sampling, seed=seed, max_context_tokens=max_context_tokens,
-        format_violation=format_violation,
-    )
+    protocol = protocol_description(eval_cfg)
+    appraised_turns = protocol["appraised_turns"]
+    if appraised_turns < 1:
+        raise ValueError("the sage protocol needs max_turns >= 2 (one reply is never appraised)")
     by_id = {s.id: s for s in scenarios}
-    records = [{**t.to_record(), "label": label, **_scenario_fields(by_id[t.scenario_id])}
-               for t in trajectories]
-    summary = summarize(records, n_boot=eval_cfg.bootstrap_samples,
-                        confidence=eval_cfg.confidence, seed=seed)
+    records: list[dict[str, Any]] = []
+    for k in range(protocol["repeats"]):
+        seed_k = seed if k == 0 else derive_seed(seed, "repeat", k)
+        judge_k = simulator if k == 0 else _reseeded(simulator, derive_seed(getattr(simulator, "seed", 0),
+                                                                             "repeat", k))
+        trajectories = run_rollouts(
+            policy_backend, judge_k, scenarios,
+            n_per_scenario=1, max_turns=appraised_turns,
+            initial_emotion=eval_cfg.initial_emotion, think=think,
+            sampling=sampling, seed=seed_k, max_context_tokens=max_context_tokens,
+            format_violation=format_violation, progress=progress,
+        )
+        fatal = getattr(judge_k, "fatal_error", None)
+        if fatal:
+            raise RuntimeError(f"the judge's backend died during the benchmark: {fatal}")
+        if protocol["name"] == "sage":
+            _add_unappraised_reply(policy_backend, trajectories, by_id, appraised_turns=appraised_turns,
+                                   think=think, sampling=sampling, seed=seed_k,
+                                   max_context_tokens=max_context_tokens)
+        for t in trajectories:
+            record = t.to_record()
+            record["dialogue_id"] = f"{t.scenario_id}#{k}"
+            records.append({**record, "label": label, "repeat": k, "seed": seed_k, "protocol": protocol["name"],
+                            **_scenario_fields(by_id[t.scenario_id])})
+    summary = summarize(records, n_boot=eval_cfg.bootstrap_samples, confidence=eval_cfg.confidence, seed=seed)
     out_dir = Path(out_dir)
     write_jsonl(out_dir / "dialogues.jsonl", records)
-    write_summary(summary, out_dir, label)
+    write_summary(summary, out_dir, label, {"judge": judge or {"backend": type(simulator).__name__},
+                                            "protocol": protocol})
     return BenchmarkResult(label, records, summary, out_dir)
+
+
+# --------------------------------------------------------------------------- paired comparison
+
+
+def scenario_scores(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    """Scored dialogues as a table ``scenario_id, repeat, final_emotion, error`` (one row
+    per dialogue; ``error`` True for termination ``error``)."""
+    rows = []
+    for r in records:
+        v = dialogue_view(r)
+        rows.append({"scenario_id": v.scenario_id, "repeat": v.repeat, "final_emotion": v.final_emotion,
+                     "error": v.termination == "error"})
+    return pd.DataFrame(rows, columns=["scenario_id", "repeat", "final_emotion", "error"])
+
+
+@dataclass
+class PairedComparison:
+    """Trained against baseline on the same scenarios and seeds.
+
+    ``difference``: :class:`rlver_lib.stats.PairedDifference` of the per-scenario
+    means (emotion points; positive = trained higher).  ``table``: one row per
+    scenario with ``scenario_id, baseline, trained, diff, n_pairs``.  ``n_pairs``:
+    (scenario, repeat) pairs scored on both sides; ``n_dropped``: pairs left out
+    because either side ended in a judge error or is missing.
+    """
+
+    difference: Any
+    table: pd.DataFrame = field(repr=False)
+    n_pairs: int = 0
+    n_dropped: int = 0
+    baseline_score: float = float("nan")
+    trained_score: float = float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``eval/paired.json`` holds: ``mean_diff, ci_low, ci_high, n_scenarios,
+        p_value`` and the rest of the difference, the pair counts, both scores over the
+        paired dialogues and the per-scenario rows."""
+        return {**self.difference.to_dict(), "n_pairs": self.n_pairs, "n_dropped": self.n_dropped,
+                "baseline_score": self.baseline_score, "trained_score": self.trained_score,
+                "test": "two-sided sign-flip permutation test of the mean per-scenario difference",
+                "scenarios": self.table.to_dict(orient="records")}
+
+
+def paired_comparison(baseline: Iterable[dict[str, Any]], trained: Iterable[dict[str, Any]], *,
+                      n_boot: int = 1000, confidence: float = 0.95, seed: int = 0) -> PairedComparison:
+    """Pair two benchmarks by (scenario, repeat) and compare them per scenario.
+
+    Pairs where either side is missing or ended in a judge error are dropped; each
+    scenario's difference is the mean over its remaining pairs of trained minus
+    baseline final emotion; the mean difference over scenarios gets a bootstrap
+    interval and a sign-flip permutation p-value (:func:`rlver_lib.stats.paired_difference`).
+    Raises ``ValueError`` when no scenario is scored on both sides.
+    """
+    a, b = scenario_scores(baseline), scenario_scores(trained)
+    merged = a.merge(b, on=["scenario_id", "repeat"], how="outer", suffixes=("_baseline", "_trained"))
+    ok = merged["final_emotion_baseline"].notna() & merged["final_emotion_trained"].notna() \
+        & ~merged["error_baseline"].fillna(True).astype(bool) & ~merged["error_trained"].fillna(True).astype(bool)
+    pairs = merged[ok]
+    if pairs.empty:
+        raise ValueError("paired_comparison: no scenario was scored in both benchmarks")
+    table = (pairs.groupby("scenario_id", sort=False)
+             .agg(baseline=("final_emotion_baseline", "mean"), trained=("final_emotion_trained", "mean"),
+                  n_pairs=("repeat", "size"))
+             .reset_index())
+    table["diff"] = table["trained"] - table["baseline"]
+    table = table[["scenario_id", "baseline", "trained", "diff", "n_pairs"]]
+    diff = paired_difference(table["baseline"].to_numpy(), table["trained"].to_numpy(),
+                             n_boot=n_boot, confidence=confidence, seed=seed)
+    return PairedComparison(diff, table, n_pairs=int(len(pairs)), n_dropped=int(len(merged) - len(pairs)),
+                            baseline_score=float(pairs["final_emotion_baseline"].mean()),
+                            trained_score=float(pairs["final_emotion_trained"].mean()))
+
+
+def write_paired(run_dir: str | Path, *, baseline: str = "baseline", trained: str = "trained",
+                 n_boot: int = 1000, confidence: float = 0.95, seed: int = 0) -> PairedComparison | None:
+    """Write ``<run_dir>/eval/paired.json`` from ``eval/<baseline>`` and ``eval/<trained>``.
+
+    Returns ``None`` (and writes nothing) unless both folders hold ``dialogues.jsonl``.
+    Raises :class:`JudgeMismatchError` when the two were judged differently.
+    """
+    run_dir = Path(run_dir)
+    folders = {name: run_dir / "eval" / name for name in (baseline, trained)}
+    if not all((f / "dialogues.jsonl").is_file() for f in folders.values()):
+        return None
+    summaries = {name: json.loads((f / "summary.json").read_text(encoding="utf-8"))
+                 for name, f in folders.items() if (f / "summary.json").is_file()}
+    if len(summaries) == 2:
+        check_same_judge(summaries)
+    comparison = paired_comparison(load_records(folders[baseline] / "dialogues.jsonl"),
+                                   load_records(folders[trained] / "dialogues.jsonl"),
+                                   n_boot=n_boot, confidence=confidence, seed=seed)
+    summary = summaries.get(trained, {})
+    atomic_write_json(run_dir / "eval" / "paired.json",
+                      {"baseline": baseline, "trained": trained, "judge": summary.get("judge"),
+                       "protocol": summary.get("protocol"), **comparison.to_dict()})
+    return comparison
+
+
+def _grey(text: str) -> str:
+    return f'<span style="color:#888">{text}</span>'
+
+
+def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
+    """The report's opening block: the answer first.
+
+    Reads ``<run_dir>/eval/paired.json`` and ``eval/*/summary.json``: the paired
+    trained-minus-baseline difference with its interval and p-value, n, the judge, the
+    protocol and ``wall_s`` (the run's wall time, seconds).  An interval or p-value
+    over fewer than :data:`rlver_lib.stats.MIN_N` scenarios is greyed with the reason.
+    Returns ``""`` when the run has no benchmark summary with figures.
+    """
+    run_dir = Path(run_dir)
+    summaries = {}
+    for path in sorted((run_dir / "eval").glob("*/summary.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(data.get("sentient_score"), dict):
+            summaries[path.parent.name] = data
+    if not summaries:
+        return ""
+    lines = ["## Headline"]
+    paired_path = run_dir / "eval" / "paired.json"
+    paired = json.loads(paired_path.read_text(encoding="utf-8")) if paired_path.is_file() else None
+    if paired:
+        n = paired["n_scenarios"]
+        diff = f"**{paired['mean_diff']:+.1f} emotion points** (trained minus baseline, paired over {n} scenario(s)"
+        diff += f", {paired['n_pairs']} dialogue pair(s))"
+        stats = (f"{100 * paired['confidence']:.0f}% CI [{paired['ci_low']:+.1f}, {paired['ci_high']:+.1f}], "
+                 f"permutation p = {paired['p_value']:.3g}")
+        if n < MIN_N:
+            stats = _grey(f"{stats} — not evidence: n = {n} scenarios < {MIN_N}")
+        lines.append(f"- Sentient score change: {diff}; {stats}.")
+        lines.append(f"- Baseline {paired['baseline_score']:.1f} → trained {paired['trained_score']:.1f} "
+                     "on the paired dialogues.")
+    for label, s in summaries.items():
+        score = s["sentient_score"]
+        n_sc = s.get("n_scenarios", s.get("n", 0))
+        ci = f"[{score['low']:.1f}, {score['high']:.1f}]"
+        if n_sc < MIN_N:
+            ci = _grey(f"{ci}, n = {n_sc} scenarios < {MIN_N}")
+        errors = ""
+        if s.get("n_error"):
+            errors = (f"; errors {s['n_error']} ({100 * s.get('error_rate', 0):.0f}%): score "
+                      f"{s.get('score_errors_at_last', float('nan')):.1f} with them at their last emotion, "
+                      f"{s.get('score_errors_as_zero', float('nan')):.1f} with them as 0")
+        ctx = f"; {s['n_context_limit']} stopped by the context budget" if s.get("n_context_limit") else ""
+        lines.append(f"- `{label}`: Sentient score {score['value']:.1f} {ci} over {s.get('n')} dialogue(s), "
+                     f"success {s.get('n_success')}, failure {s.get('n_failure')}{errors}{ctx}.")
+    first = next(iter(summaries.values()))
+    judge = first.get("judge")
+    protocol = first.get("protocol") or {}
+    if judge:
+        lines.append(f"- Judge: {judge_label(judge)}.")
+    if protocol:
+        rule = ("every policy reply appraised" if protocol.get("name") == "full"
+                else f"{protocol.get('max_policy_turns')} policy replies, the first "
+                     f"{protocol.get('appraised_turns')} appraised (SAGE's turn rule)")
+        lines.append(f"- Protocol: `{protocol.get('name')}` — start emotion {protocol.get('initial_emotion')}, "
+                     f"{rule}, {protocol.get('repeats', 1)} dialogue(s) per scenario.")
+    if wall_s is not None:
+        lines.append(f"- Wall time: {wall_s / 60:.1f} min ({wall_s:.0f} s).")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- SAGE scoring
@@ -389,7 +855,10 @@ def sage_score(paths: Iterable[str | Path]) -> pd.DataFrame:
     One row per file with ``file`` (name), ``model`` (name without ``_result`` /
     extension, or the parent folder for ``dialogues.jsonl``), ``n``,
     ``sentient_score`` (mean final emotion, 0-100), ``success`` (final >= 100) and
-    ``failure`` (final < 10) counts.  Files are read as JSON Lines (``\\n``-separated).
+    ``failure`` (final < 10) counts, and the ``protocol`` the transcripts follow
+    (:func:`transcript_protocol`: ``sage`` when capped dialogues end with an
+    unappraised reply, else ``full``) with ``policy_replies`` / ``appraised_replies``.
+    Files are read as JSON Lines (``\\n``-separated).
     Raises ``FileNotFoundError``, :class:`rlver_lib.io.JsonlError` or
     :class:`RecordError` (file and line named).
     """
@@ -397,21 +866,28 @@ def sage_score(paths: Iterable[str | Path]) -> pd.DataFrame:
     for path in map(Path, paths):
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file")
-        final = np.array([dialogue_view(r).final_emotion for r in load_records(path)])
-        if final.size == 0:
+        views = [dialogue_view(r) for r in load_records(path)]
+        if not views:
             raise RecordError(f"{path}: no dialogue records")
+        final = np.array([v.final_emotion for v in views])
+        protocol = transcript_protocol(views)
         model = path.parent.name if path.name == "dialogues.jsonl" else re.sub(r"_result$", "", path.stem)
         rows.append({
             "file": path.name, "model": model, "n": int(final.size),
             "sentient_score": float(final.mean()),
             "success": int((final >= SUCCESS_EMOTION).sum()),
             "failure": int((final < FAILURE_EMOTION).sum()),
+            "protocol": protocol["protocol"],
+            "policy_replies": protocol["policy_replies"],
+            "appraised_replies": protocol["appraised_replies"],
         })
-    return pd.DataFrame(rows, columns=["file", "model", "n", "sentient_score", "success", "failure"])
+    return pd.DataFrame(rows, columns=["file", "model", "n", "sentient_score", "success", "failure",
+                                       "protocol", "policy_replies", "appraised_replies"])
 
 
 def sage_score_command(paths: Sequence[str | Path], as_json: bool = False) -> int:
-    """``rlver sage-score FILE ... [--json]``: print the :func:`sage_score` table.
+    """``rlver sage-score FILE ... [--json]``: print the :func:`sage_score` table, then
+    which protocol each file follows.
 
     Returns 0, or 2 after printing the error to stderr when a file is missing or bad.
     """
@@ -424,8 +900,13 @@ def sage_score_command(paths: Sequence[str | Path], as_json: bool = False) -> in
         return 2
     if as_json:
         print(json.dumps(table.to_dict(orient="records"), ensure_ascii=False, indent=2))
-    else:
-        print(table.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+        return 0
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+    for row in table.itertuples():
+        what = ("SAGE's turn rule: capped dialogues end with a reply that was never appraised"
+                if row.protocol == "sage" else "every policy reply was appraised")
+        print(f"{row.file}: protocol {row.protocol} ({what}; {row.appraised_replies} of "
+              f"{row.policy_replies} replies appraised)")
     return 0
 
 
@@ -572,35 +1053,29 @@ def compare_math(base: MathResult | str | Path, trained: MathResult | str | Path
 # --------------------------------------------------------------------------- rlver eval
 
 
-def build_simulator(sim_cfg: Any, seed: int) -> Any:
-    """The simulated user a config asks for: ``simulator.RuleSimulator`` (default change
-    function, no model) when ``sim_cfg.backend == "rule"``, else an LLM
-    ``simulator.UserSimulator`` over ``models.make_simulator_backend``."""
-    if sim_cfg.backend == "rule":
-        from rlver_lib.simulator import RuleSimulator
-
-        return RuleSimulator()
-    from rlver_lib.models import make_simulator_backend
-    from rlver_lib.simulator import UserSimulator
-
-    return UserSimulator(make_simulator_backend(sim_cfg, seed), sim_cfg, seed=seed)
-
-
 @dataclass
 class Evaluation:
-    """One evaluated policy: the benchmark result and the maths retention (or ``None``)."""
+    """One evaluated policy: the benchmark result, the capability-retention figures
+    (``capability.json`` content, :func:`rlver_lib.capability.run_retention`; ``None``
+    when ``capability.enabled`` is false) and, for a non-baseline label in a run with a
+    baseline, the paired comparison."""
 
     benchmark: BenchmarkResult
-    math: MathResult | None
+    math: dict[str, Any] | None
+    paired: PairedComparison | None = None
 
 
 def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation:
     """The benchmark (and maths retention) of ``cfg.policy`` (with ``cfg.policy.adapter``
     when set) on ``cfg.scenarios.test``, written to ``<run_dir>/eval/<label>/``.
 
+    The judge is ``cfg.evaluation.judge`` (:func:`build_judge`), never ``cfg.simulator``;
+    its :func:`judge_description` and the protocol go into ``summary.json``.
     ``label`` defaults to ``trained`` with an adapter, else ``baseline``.  Writes the
-    files of :func:`run_benchmark`, ``math.json`` when ``cfg.evaluation.math_retention``,
-    and ``<run_dir>/figures/eval_<label>_{trajectory,breakdown}.png``.
+    files of :func:`run_benchmark`, the capability-retention files when ``cfg.capability.enabled``,
+    ``<run_dir>/figures/eval_<label>_{trajectory,breakdown}.png``, and, for a label other
+    than ``baseline`` when ``eval/baseline`` exists, ``<run_dir>/eval/paired.json``
+    (:func:`write_paired`).
     """
     from rlver_lib import analysis
     from rlver_lib.models import load_policy, make_policy_backend
@@ -613,24 +1088,31 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation:
     scenarios = load_scenarios(cfg.scenarios.test)[: cfg.scenarios.limit_test]
     sampling = SamplingParams(temperature=cfg.policy.temperature, top_p=cfg.policy.top_p,
                               max_new_tokens=cfg.policy.max_new_tokens, seed=cfg.seed)
-    result = run_benchmark(policy, build_simulator(cfg.simulator, cfg.seed), scenarios,
-                           cfg.evaluation, sampling=sampling, think=cfg.policy.think,
-                           seed=cfg.seed, out_dir=out_dir, label=label,
-                           max_context_tokens=cfg.policy.max_context_tokens,
-                           format_violation=cfg.policy.format_violation)
+    judge = build_judge(cfg.evaluation, cfg.seed)
+    try:
+        result = run_benchmark(policy, judge, scenarios, cfg.evaluation, sampling=sampling,
+                               think=cfg.policy.think, seed=cfg.seed, out_dir=out_dir, label=label,
+                               max_context_tokens=cfg.policy.max_context_tokens,
+                               format_violation=cfg.policy.format_violation,
+                               judge=judge_description(cfg.evaluation.judge, judge_seed(cfg.evaluation, cfg.seed)))
+    finally:
+        close_simulator(judge)
     figures = cfg.run_dir / "figures"
     traj = result.summary.trajectory.assign(label=label)
     analysis.save_figure(analysis.plot_emotion_trajectories(traj), figures / f"eval_{label}_trajectory.png")
     analysis.save_figure(analysis.plot_breakdown(result.summary.breakdown),
                          figures / f"eval_{label}_breakdown.png")
     math = None
-    if cfg.evaluation.math_retention:
-        problems = load_math_problems(limit=cfg.evaluation.math_n)
-        math = math_retention(policy, problems, max_new_tokens=cfg.evaluation.math_max_new_tokens,
-                              seed=cfg.seed, n_boot=cfg.evaluation.bootstrap_samples,
-                              confidence=cfg.evaluation.confidence)
-        atomic_write_json(out_dir / "math.json", math.to_dict())
-    return Evaluation(result, math)
+    if cfg.capability.enabled:
+        from rlver_lib.capability import run_retention
+
+        math = run_retention(policy, cfg.capability, out_dir, seed=cfg.seed,
+                             n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence)
+    paired = None
+    if label != "baseline":
+        paired = write_paired(cfg.run_dir, trained=label, n_boot=cfg.evaluation.bootstrap_samples,
+                              confidence=cfg.evaluation.confidence, seed=cfg.seed)
+    return Evaluation(result, math, paired)
 
 
 def eval_command(cfg: Any, *, label: str | None = None) -> int:
@@ -638,10 +1120,15 @@ def eval_command(cfg: Any, *, label: str | None = None) -> int:
     ev = evaluate(cfg, label=label)
     s = ev.benchmark.summary
     print(f"{ev.benchmark.label}: Sentient score {s.sentient_score.value:.1f} "
-          f"[{s.sentient_score.low:.1f}, {s.sentient_score.high:.1f}], "
-          f"success {s.n_success}/{s.n}, failure {s.n_failure}/{s.n}, errors excluded {s.n_error}, "
-          f"mean turns {s.mean_turns.value:.2f} -> {ev.benchmark.out_dir}")
+          f"[{s.sentient_score.low:.1f}, {s.sentient_score.high:.1f}] over {s.n_scenarios} scenario(s), "
+          f"success {s.n_success}/{s.n}, failure {s.n_failure}/{s.n}, "
+          f"errors {s.n_error} ({100 * s.error_rate:.0f}%; score {s.score_errors_at_last:.1f} with them at their "
+          f"last emotion, {s.score_errors_as_zero:.1f} as 0), context-budget stops {s.n_context_limit}, "
+          f"mean turns {s.mean_turns.value:.2f}, protocol {cfg.evaluation.protocol} -> {ev.benchmark.out_dir}")
     if ev.math is not None:
-        a = ev.math.accuracy
-        print(f"maths retention: accuracy {a.value:.3f} [{a.low:.3f}, {a.high:.3f}] on {len(ev.math.table)} problems")
+        print("capability retention: " + json.dumps({k: v for k, v in ev.math.items() if k != "lm_eval"}))
+    if ev.paired is not None:
+        d = ev.paired.difference
+        print(f"paired vs baseline: {d.mean_diff:+.1f} [{d.ci_low:+.1f}, {d.ci_high:+.1f}], p = {d.p_value:.3g}, "
+              f"n = {d.n_scenarios} scenarios")
     return 0

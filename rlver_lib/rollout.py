@@ -16,8 +16,9 @@ the policy saw and sampled.
 
 Termination (first that applies after a turn): ``error`` (the simulator turn
 failed after its retries), ``success`` (e >= 100), ``failure`` (e < 10),
-``goodbye`` (the user's structured end flag), ``max_turns`` (policy-turn cap or
-context budget reached). With ``format_violation == "end_dialogue"`` a malformed
+``goodbye`` (the user's structured end flag), ``max_turns`` (policy-turn cap),
+``context_limit`` (the next policy context would not leave room for a reply within
+``max_context_tokens``; counted apart from the cap). With ``format_violation == "end_dialogue"`` a malformed
 think block ends the dialogue at once with ``format_violation`` (the malformed
 text never reaches the user). Every policy reply that reaches the user is
 appraised, the last one too. Reward = final emotion / 100 (0.0-1.0).
@@ -52,7 +53,8 @@ __all__ = [
     "run_rollouts",
 ]
 
-Termination = Literal["success", "failure", "goodbye", "max_turns", "error", "format_violation"]
+Termination = Literal["success", "failure", "goodbye", "max_turns", "context_limit", "error",
+                      "format_violation"]
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _THINK_TAG = re.compile(r"</?think>")
 
@@ -344,7 +346,7 @@ def run_rollouts(
     (0-100); ``sampling``: policy sampling (its seed is replaced per turn by one
     derived from ``seed`` and the turn); ``max_context_tokens``: when set, a
     dialogue whose next policy context plus ``sampling.max_new_tokens`` would
-    exceed it ends before that turn, with ``max_turns`` (its last reply was
+    exceed it ends before that turn, with ``context_limit`` (its last reply was
     already appraised); needs a policy backend with ``prompt_ids(conversation)``.
     ``format_violation``: ``keep_reply`` (the reply with all think tags and
     thought removed goes on) or ``end_dialogue``.
@@ -394,7 +396,7 @@ def _simulate(simulator: Simulator, dialogues: list[_Dialogue], turn: int) -> No
 def _within_context(
     policy: ChatBackend, live: list[_Dialogue], think: bool, max_new_tokens: int, max_context_tokens: int
 ) -> list[_Dialogue]:
-    """Dialogues whose next context leaves room for ``max_new_tokens``; the others end (``max_turns``).
+    """Dialogues whose next context leaves room for ``max_new_tokens``; the others end (``context_limit``).
 
     Needs a backend that can count prompt tokens (``prompt_ids(conversation)``, as
     ``TransformersBackend`` has); with any other backend the budget is not checked.
@@ -406,7 +408,7 @@ def _within_context(
     kept = []
     for d in live:
         if len(count(policy_messages(d.scenario, d.history, think))) + max_new_tokens > max_context_tokens:
-            d.termination = "max_turns"
+            d.termination = "context_limit"
         else:
             kept.append(d)
     return kept

@@ -230,7 +230,7 @@ def test_context_budget_ends_dialogue_before_an_oversized_turn():
     first = len(json.dumps(policy_messages(scenario("a"), [{"role": "user", "content": "I had a rough day."}], False)))
     t, = run(policy, RuleSimulator(lambda r: 1), [scenario("a")], max_turns=5, max_context_tokens=first + 16)
     # turn 0 fits exactly (context + 16 new tokens); turn 1's context is longer, so it never runs
-    assert t.termination == "max_turns" and t.to_record()["policy_turns"] == 1 and t.final_emotion == 41
+    assert t.termination == "context_limit" and t.to_record()["policy_turns"] == 1 and t.final_emotion == 41
     assert len(policy.seen) == 1 and max(len(json.dumps(c)) for c in policy.seen) + 16 <= first + 16
 
 
