@@ -2,7 +2,7 @@
 
 Sends N appraise calls (the simulator's real appraise prompt: shipped test
 scenarios x four kinds of policy reply, cycled) to the embedded simulator
-(Qwen2.5-Coder-1.5B-Instruct Q4_K_M) through :class:`LlamaCppBackend`, twice:
+(Qwen2.5-Coder-1.5B-Instruct Q4_K_M) through :class:`LlamaServerBackend` (one slot), twice:
 without a schema (the prompt still asks for JSON) and JSON-schema constrained
 (``simulator.APPRAISAL_SCHEMA``). Per mode it reports completion tokens/s,
 calls/min (wall time per call includes processing the ~700-token prompt), the
@@ -28,7 +28,7 @@ import jsonschema
 import pandas as pd
 from tqdm.auto import tqdm
 
-from rlver_lib.backends import LlamaCppBackend, SamplingParams
+from rlver_lib.backends import LlamaServerBackend, SamplingParams
 from rlver_lib.config import SimulatorConfig
 from rlver_lib.io import atomic_write_json
 from rlver_lib.models import simulator_model_path
@@ -113,7 +113,7 @@ def main() -> None:
         parser.error("--n must be at least 1")
 
     path = simulator_model_path(SimulatorConfig(model=args.model))
-    backend = LlamaCppBackend(path, n_ctx=4096, n_threads=args.threads, seed=args.seed)
+    backend = LlamaServerBackend(path, n_ctx=4096, parallel=1, threads=args.threads, seed=args.seed)
     calls = appraise_calls(args.n, args.difficulty)
     rows = [run_mode(backend, calls, constrained=c, max_new_tokens=args.max_new_tokens, seed=args.seed)
             for c in (False, True)]
