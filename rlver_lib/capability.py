@@ -18,9 +18,10 @@ two ways:
   ``humaneval_instruct``).
 
 Base against trained is a **paired** comparison on the same items
-(:func:`paired_difference`): per-item difference, a bootstrap CI of its mean, an
-exact McNemar test on the discordant items, and the smallest difference the
-sample could detect (:func:`detectable_difference`).
+(:func:`compare_scores`, over :func:`rlver_lib.stats.paired_difference`): per-item
+difference, a bootstrap CI of its mean, the exact sign (McNemar) test on the
+discordant items, and the smallest difference the sample could detect
+(:func:`detectable_difference`).
 
 Units: pass@1 and accuracy are shares in [0, 1]; times in seconds; memory in MiB.
 """
@@ -45,10 +46,11 @@ from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+from scipy.stats import norm
 
 from rlver_lib.backends import ChatBackend, SamplingParams
 from rlver_lib.io import atomic_write_json, iter_jsonl, write_jsonl
+from rlver_lib.stats import PairedDifference, bootstrap_ci, paired_difference
 
 # --------------------------------------------------------------------------- sandbox
 
@@ -183,58 +185,35 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 @dataclass(frozen=True)
-class PairedDifference:
-    """Trained minus base on the same items (RLVER §5 retention, paired design).
+class RetentionComparison:
+    """Base against trained on the same items of one check.
 
-    ``mean_diff`` = mean over items of ``trained_i - base_i`` (for pass/fail items a
-    share in [-1, 1]); ``low``/``high`` its percentile bootstrap interval over items
-    (``confidence``); ``n`` items; ``n_better`` / ``n_worse`` the items where trained
-    is above / below base (the discordant pairs for binary scores); ``p_value`` the
-    exact two-sided McNemar (sign) test on them (1.0 when there are none);
-    ``detectable`` the smallest |difference| the sample could detect
-    (:func:`detectable_difference`).
+    ``base`` / ``trained``: pass rate or accuracy (shares in [0, 1]) over the ``n``
+    common items; ``difference``: :func:`rlver_lib.stats.paired_difference` of the
+    per-item 0/1 scores (trained minus base; its sign test is McNemar's exact test
+    on the discordant items); ``detectable``: :func:`detectable_difference` at the
+    observed discordance.
     """
 
-    base_mean: float
-    trained_mean: float
-    mean_diff: float
-    low: float
-    high: float
-    confidence: float
+    check: str
+    base: float
+    trained: float
     n: int
-    n_better: int
-    n_worse: int
-    p_value: float
+    difference: PairedDifference
     detectable: float
 
 
-def paired_difference(base: Sequence[float], trained: Sequence[float], *, n_boot: int = 2000,
-                      confidence: float = 0.95, seed: int = 0) -> PairedDifference:
-    """Paired difference of two scorings of the same items (see :class:`PairedDifference`).
-
-    The bootstrap resamples item indices ``numpy.random.default_rng(seed).integers(0, n,
-    size=(n_boot, n))`` and takes the ``(1±confidence)/2`` percentiles of the resampled
-    mean differences.  The McNemar test is ``scipy.stats.binomtest(n_better,
-    n_better + n_worse, 0.5)``.  Raises ``ValueError`` on empty or unequal-length
-    inputs, non-finite values or a confidence outside (0, 1).
-    """
+def compare_scores(check: str, base: Sequence[float], trained: Sequence[float], *, n_boot: int = 2000,
+                   confidence: float = 0.95, seed: int = 0) -> RetentionComparison:
+    """:class:`RetentionComparison` of two 0/1 scorings of the same items (item i paired).
+    Raises ``ValueError`` on empty or unequal-length inputs."""
     a, b = np.asarray(base, dtype=float), np.asarray(trained, dtype=float)
-    if a.ndim != 1 or a.shape != b.shape or a.size == 0:
-        raise ValueError("paired_difference needs two non-empty 1-D sequences of equal length")
-    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
-        raise ValueError("paired_difference: values must be finite")
-    if not 0 < confidence < 1:
-        raise ValueError(f"paired_difference: confidence must be in (0, 1), got {confidence}")
-    d = b - a
-    idx = np.random.default_rng(seed).integers(0, d.size, size=(n_boot, d.size))
-    boot = d[idx].mean(axis=1)
-    alpha = (1 - confidence) / 2
-    low, high = np.percentile(boot, [100 * alpha, 100 * (1 - alpha)])
-    better, worse = int((d > 0).sum()), int((d < 0).sum())
-    p = float(stats.binomtest(better, better + worse, 0.5).pvalue) if better + worse else 1.0
-    return PairedDifference(float(a.mean()), float(b.mean()), float(d.mean()), float(low), float(high),
-                            confidence, int(d.size), better, worse, p,
-                            detectable_difference(int(d.size), (better + worse) / d.size))
+    if a.size == 0 or a.shape != b.shape:
+        raise ValueError(f"{check}: base and trained need the same, non-empty items")
+    diff = paired_difference(a, b, n_boot=n_boot, confidence=confidence, seed=seed)
+    discordance = (diff.n_positive + diff.n_negative) / a.size
+    return RetentionComparison(check, float(a.mean()), float(b.mean()), int(a.size), diff,
+                               detectable_difference(int(a.size), discordance))
 
 
 def detectable_difference(n: int, discordance: float | None = None, *, alpha: float = 0.05,
@@ -254,20 +233,20 @@ def detectable_difference(n: int, discordance: float | None = None, *, alpha: fl
         raise ValueError("detectable_difference needs n >= 1")
     d = 0.5 if discordance is None else discordance
     d = max(d, 2 / n)
-    z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
+    z = norm.ppf(1 - alpha / 2) + norm.ppf(power)
     return float(min(1.0, z * math.sqrt(d / n)))
 
 
-def describe_paired(diff: PairedDifference, what: str) -> str:
+def describe_comparison(cmp: RetentionComparison, what: str) -> str:
     """One Markdown sentence stating the paired result and what its sample can detect."""
+    d = cmp.difference
     pct = lambda v: f"{100 * v:+.1f}"  # noqa: E731
-    return (f"{what}: base {100 * diff.base_mean:.1f} %, trained {100 * diff.trained_mean:.1f} %, "
-            f"paired difference {pct(diff.mean_diff)} points "
-            f"[{pct(diff.low)}, {pct(diff.high)}] ({100 * diff.confidence:.0f} % bootstrap CI, "
-            f"{diff.n} items; trained better on {diff.n_better}, worse on {diff.n_worse}; "
-            f"exact McNemar p = {diff.p_value:.2f}). With {diff.n} items only a change of about "
-            f"{100 * diff.detectable:.0f} points or more would be detected (80 % power, 5 % level); "
-            "smaller losses or gains cannot be told from zero.")
+    return (f"{what}: base {100 * cmp.base:.1f} %, trained {100 * cmp.trained:.1f} %, "
+            f"paired difference {pct(d.mean_diff)} points [{pct(d.ci_low)}, {pct(d.ci_high)}] "
+            f"({100 * d.confidence:.0f} % bootstrap CI over {cmp.n} items; trained better on "
+            f"{d.n_positive}, worse on {d.n_negative}; exact McNemar p = {d.sign_test_p:.2f}). "
+            f"With {cmp.n} items only a change of about {100 * cmp.detectable:.0f} points or more "
+            "would be detected (80 % power, 5 % level); smaller losses or gains cannot be told from zero.")
 
 
 # --------------------------------------------------------------------------- HumanEval
@@ -445,8 +424,6 @@ def run_retention(policy: ChatBackend, cap_cfg: Any, out_dir: str | Path, *, see
     with a bootstrap interval and ``items``) and ``capability.json`` (headline
     figures).  Returns the ``capability.json`` content.
     """
-    from rlver_lib.evaluation import bootstrap_ci
-
     out_dir = Path(out_dir)
     summary: dict[str, Any] = {}
     if cap_cfg.humaneval_n:
@@ -469,13 +446,13 @@ def run_retention(policy: ChatBackend, cap_cfg: Any, out_dir: str | Path, *, see
 
 
 def compare_retention(base_dir: str | Path, trained_dir: str | Path, *, n_boot: int = 2000,
-                      confidence: float = 0.95, seed: int = 0) -> dict[str, PairedDifference]:
-    """Paired base-vs-trained differences from two evaluation folders
-    (``eval/baseline``, ``eval/trained``): ``humaneval`` (pass/fail per task) and
-    ``math`` (correct per item), each over the items both folders hold.  A check
-    missing from either folder is left out.  Raises ``ValueError`` when the two
-    folders share no item of a check."""
-    out: dict[str, PairedDifference] = {}
+                      confidence: float = 0.95, seed: int = 0) -> dict[str, RetentionComparison]:
+    """Paired base-vs-trained comparisons from two evaluation folders (``eval/baseline``,
+    ``eval/trained``): ``humaneval`` (pass/fail per task) and ``math`` (correct per item),
+    each over the items both folders hold (:func:`compare_scores`).  A check missing
+    from either folder is left out.  Raises ``ValueError`` when the two folders share
+    no item of a check."""
+    out: dict[str, RetentionComparison] = {}
     base_dir, trained_dir = Path(base_dir), Path(trained_dir)
     sources = {
         "humaneval": ("humaneval.jsonl", "task_id", "passed"),
@@ -488,8 +465,8 @@ def compare_retention(base_dir: str | Path, trained_dir: str | Path, *, n_boot: 
         common = sorted(set(a) & set(b))
         if not common:
             raise ValueError(f"{name}: {base_dir} and {trained_dir} share no item")
-        out[name] = paired_difference([a[k] for k in common], [b[k] for k in common],
-                                      n_boot=n_boot, confidence=confidence, seed=seed)
+        out[name] = compare_scores(name, [a[k] for k in common], [b[k] for k in common],
+                                   n_boot=n_boot, confidence=confidence, seed=seed)
     return out
 
 
@@ -501,12 +478,14 @@ def _item_scores(path: Path, key: str, col: str) -> dict[str, float]:
     return {str(r[key]): float(bool(r[col])) for r in rows}
 
 
-def retention_table(diffs: dict[str, PairedDifference]) -> pd.DataFrame:
-    """One row per check: ``base, trained, diff, low, high, n, better, worse, p_value,
-    detectable`` (shares in [0, 1] except counts and p)."""
-    rows = {name: {"base": d.base_mean, "trained": d.trained_mean, "diff": d.mean_diff, "low": d.low,
-                   "high": d.high, "n": d.n, "better": d.n_better, "worse": d.n_worse,
-                   "p_value": d.p_value, "detectable": d.detectable} for name, d in diffs.items()}
+def retention_table(comparisons: dict[str, RetentionComparison]) -> pd.DataFrame:
+    """One row per check: ``base, trained, diff, low, high, n, better, worse,
+    mcnemar_p, detectable`` (shares in [0, 1] except counts and p)."""
+    rows = {name: {"base": c.base, "trained": c.trained, "diff": c.difference.mean_diff,
+                   "low": c.difference.ci_low, "high": c.difference.ci_high, "n": c.n,
+                   "better": c.difference.n_positive, "worse": c.difference.n_negative,
+                   "mcnemar_p": c.difference.sign_test_p, "detectable": c.detectable}
+            for name, c in comparisons.items()}
     return pd.DataFrame.from_dict(rows, orient="index")
 
 

@@ -1108,6 +1108,11 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation:
 
         math = run_retention(policy, cfg.capability, out_dir, seed=cfg.seed,
                              n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence)
+        if cfg.capability.lm_eval.enabled:  # the harness path (GPU, model hub): rlver_lib.capability
+            from rlver_lib.capability import run_lm_eval
+
+            math["lm_eval"] = run_lm_eval(cfg.policy.model, cfg.policy.adapter, cfg.capability.lm_eval,
+                                          out_dir / "lm_eval.json", dtype=cfg.policy.dtype, seed=cfg.seed)
     paired = None
     if label != "baseline":
         paired = write_paired(cfg.run_dir, trained=label, n_boot=cfg.evaluation.bootstrap_samples,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 import threading
@@ -13,7 +14,6 @@ from scipy import stats
 
 from rlver_lib import capability as C
 from rlver_lib.backends import Generation
-
 
 # --------------------------------------------------------------------------- sandbox
 
@@ -155,24 +155,27 @@ def test_math_items_ship_and_parse():
 # --------------------------------------------------------------------------- paired statistics
 
 
-def test_paired_difference_hand_computed():
+def test_compare_scores_hand_computed():
     base = [1, 1, 0, 0, 1, 0, 0, 0, 1, 0]
     trained = [1, 0, 1, 1, 1, 0, 1, 0, 1, 0]
-    d = C.paired_difference(base, trained, n_boot=4000, seed=1)
+    c = C.compare_scores("humaneval", base, trained, n_boot=4000, seed=1)
+    d = c.difference
     # differences: 0,-1,1,1,0,0,1,0,0,0 -> mean 0.2; better 3, worse 1
-    assert (d.base_mean, d.trained_mean, d.mean_diff) == pytest.approx((0.4, 0.6, 0.2))
-    assert (d.n, d.n_better, d.n_worse) == (10, 3, 1)
-    # exact two-sided binomial on 3 of 4: 2 * P(X >= 3) = 2 * 5/16
-    assert d.p_value == pytest.approx(10 / 16)
-    assert d.low < 0.2 < d.high and -0.3 <= d.low and d.high <= 0.6
+    assert (c.base, c.trained, d.mean_diff, c.n) == pytest.approx((0.4, 0.6, 0.2, 10))
+    assert (d.n_positive, d.n_negative) == (3, 1)
+    # exact McNemar = two-sided binomial on 3 of 4 discordant: 2 * P(X >= 3) = 2 * 5/16
+    assert d.sign_test_p == pytest.approx(10 / 16)
+    assert d.ci_low < 0.2 < d.ci_high and -0.3 <= d.ci_low and d.ci_high <= 0.6
     # detectable: (1.96 + 0.84) * sqrt(0.4 / 10)
     z = stats.norm.ppf(0.975) + stats.norm.ppf(0.8)
-    assert d.detectable == pytest.approx(z * math.sqrt(0.4 / 10))
-    same = C.paired_difference([1, 0], [1, 0])
-    assert same.p_value == 1.0 and same.mean_diff == 0 and same.detectable == 1.0  # z * sqrt(1 / 2) > 1, capped
+    assert c.detectable == pytest.approx(z * math.sqrt(0.4 / 10))
+    assert C.detectable_difference(20, 0.2) == pytest.approx(z * 0.1)
+    same = C.compare_scores("math", [1, 0], [1, 0])
+    assert same.difference.sign_test_p == 1.0 and same.difference.mean_diff == 0
+    assert same.detectable == 1.0  # z * sqrt(1 / 2) > 1, capped
     with pytest.raises(ValueError):
-        C.paired_difference([1], [1, 0])
-    assert "detected" in C.describe_paired(d, "HumanEval pass@1")
+        C.compare_scores("math", [1], [1, 0])
+    assert "detected" in C.describe_comparison(c, "HumanEval pass@1")
 
 
 def test_retention_round_trip(tmp_path):
@@ -201,13 +204,13 @@ def test_retention_round_trip(tmp_path):
     assert base["humaneval"]["n"] == 2 and base["humaneval"]["pass_at_1"] == 0.0
     assert (base["math"]["accuracy"], trained["math"]["accuracy"]) == (0.0, 1.0)
     diffs = C.compare_retention(tmp_path / "baseline", tmp_path / "trained")
-    assert diffs["math"].mean_diff == 1.0 and diffs["math"].n_better == 2
-    assert diffs["humaneval"].mean_diff == 0.0
+    assert diffs["math"].difference.mean_diff == 1.0 and diffs["math"].difference.n_positive == 2
+    assert diffs["humaneval"].difference.mean_diff == 0.0
     table = C.retention_table(diffs)
     assert table.loc["math", "trained"] == 1.0
-    assert [p.task_id for p in problems] == [r["task_id"] for r in
-                                             __import__("json").loads("[" + ",".join(
-                                                 (tmp_path / "trained" / "humaneval.jsonl").read_text().splitlines()) + "]")]
+    lines = (tmp_path / "trained" / "humaneval.jsonl").read_text().splitlines()
+    written = [json.loads(line)["task_id"] for line in lines]
+    assert written == [p.task_id for p in problems]
 
 
 def test_lm_eval_model_args():
