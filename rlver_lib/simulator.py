@@ -38,7 +38,6 @@ from typing import Any, Callable, Literal, Sequence
 from .backends import BackendDied, BackendError, ChatBackend, Conversation, SamplingParams, derive_seed
 from .config import SimulatorConfig
 
-
 Label = Literal["S", "A", "B", "C", "F"]
 Difficulty = Literal["easy", "moderate", "hard"]
 
@@ -551,7 +550,8 @@ class UserSimulator:
 # ---------------------------------------------------------------------------
 # the deterministic rule simulator
 
-DEFAULT_OPENING = {"en": "Hi. I have something on my mind and I need to talk.", "zh": "你好，我心里有点事，想找人聊聊。"}
+DEFAULT_OPENING = {"en": "Hi. I have something on my mind and I need to talk.",
+                   "zh": "你好，我心里有点事，想找人聊聊。"}
 RULE_REPLIES = {
     "en": {"S": "Thank you, I feel much better. Goodbye!", "F": "Forget it. Goodbye.", "other": "Okay. Tell me more."},
     "zh": {"S": "谢谢你，我好多了。再见！", "F": "算了，再见。", "other": "嗯，然后呢？"},
