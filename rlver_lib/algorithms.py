@@ -1,4 +1,5 @@
-"""Advantage estimators and losses of the learner (DESIGN §1 "Learning", §3 "algorithms").
+"""Advantage estimators and losses of the learner: the RLVER paper's PPO and GRPO
+(docs/ARCHITECTURE.md "algorithms, trainer").
 
 Pure tensor functions, no model and no state. Conventions used throughout:
 

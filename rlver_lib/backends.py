@@ -1,4 +1,4 @@
-"""Chat backends: one small protocol for every model the workbench talks to (DESIGN §3).
+"""Chat backends: one small protocol for every model the workbench talks to (docs/ARCHITECTURE.md "backends").
 
 A backend takes a batch of chat conversations (each a list of
 ``{"role": ..., "content": ...}`` messages) and returns one :class:`Generation`
@@ -6,7 +6,7 @@ per conversation, in order.  Sampling settings and the seed come in a
 :class:`SamplingParams`; ``json_schema`` optionally constrains the output to a JSON
 object of that schema (structured output).
 
-Implementations (DESIGN §3 "backends"):
+Implementations:
 
 - :class:`TransformersBackend` — local HF model (plain or ``peft.PeftModel``),
   batched left-padded ``generate``, token ids and log-probs for training,
@@ -31,24 +31,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal, Protocol, Sequence, runtime_checkable
 
+from .config import SamplingParams  # re-exported: backends.SamplingParams
+
 log = logging.getLogger(__name__)
 
 Message = dict[str, str]
 Conversation = list[Message]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling settings for one batched call.
-
-    ``temperature`` 0 means greedy decoding. ``seed`` makes a call reproducible
-    (backends derive per-conversation seeds from it where they can).
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
-    seed: int | None = None
 
 
 @dataclass

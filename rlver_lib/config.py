@@ -1,4 +1,4 @@
-"""Typed run configuration (DESIGN §3 "config").
+"""Typed run configuration (docs/ARCHITECTURE.md "config").
 
 One :class:`RunConfig` describes a whole run: the policy, the simulated user, the
 scenarios, rollouts, training, evaluation and reporting.  It is loaded from
@@ -16,6 +16,7 @@ permitted``).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +29,21 @@ EMBEDDED_SIMULATOR = "embedded:qwen2.5-coder-1.5b-instruct-q4km"
 
 class ConfigError(ValueError):
     """A params file or override that does not fit the schema; the message names the key."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings for one batched generation call (what every backend in
+    :mod:`rlver_lib.backends` takes; defined here so configs can build it).
+
+    ``temperature`` 0 means greedy decoding. ``seed`` makes a call reproducible
+    (backends derive per-conversation seeds from it where they can).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int | None = None
 
 
 class _Strict(BaseModel):
@@ -70,9 +86,15 @@ class PolicyConfig(_Strict):
     vllm_kv_cache_gb: float | None = Field(None, gt=0)
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
+    def sampling(self, seed: int | None) -> SamplingParams:
+        """The policy's sampling settings for one batched call: ``temperature``,
+        ``top_p``, ``max_new_tokens`` of this section and the given ``seed``."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p,
+                              max_new_tokens=self.max_new_tokens, seed=seed)
+
 
 class SimulatorConfig(_Strict):
-    """The affective simulated user (DESIGN §1).
+    """The affective simulated user (docs/ARCHITECTURE.md "simulator").
 
     ``backend``: ``llamacpp`` (a GGUF file served by llama.cpp's ``llama-server``, which
     the workbench starts and stops itself; ``concurrency`` dialogues are decoded
@@ -127,7 +149,7 @@ class RolloutConfig(_Strict):
 
 
 class TrainingConfig(_Strict):
-    """The learner (DESIGN §3 "algorithms", "trainer"); paper defaults where they apply."""
+    """The learner (docs/ARCHITECTURE.md "algorithms, trainer"); paper defaults where they apply."""
 
     algorithm: Literal["grpo", "ppo"] = "grpo"
     steps: int = Field(100, ge=0)
@@ -176,7 +198,7 @@ SAGE_INITIAL_EMOTION, SAGE_POLICY_TURNS = 40, 10
 
 
 class EvaluationConfig(_Strict):
-    """The Sentient benchmark (DESIGN §1): start at 40, at most 10 policy turns.
+    """The Sentient benchmark (the RLVER paper's evaluation): start at 40, at most 10 policy turns.
 
     ``judge``: the simulated user that scores the benchmark (:class:`JudgeConfig`).
     ``protocol``: ``full`` appraises every policy reply, the last one too; ``sage``

@@ -1,4 +1,5 @@
-"""Batched multi-turn rollouts between the policy and a simulated user (DESIGN §1-2).
+"""Batched multi-turn rollouts between the policy and a simulated user
+(the RLVER paper's dialogue rollouts; docs/ARCHITECTURE.md "rollout").
 
 :func:`run_rollouts` plays many dialogues at once. The user speaks first (the
 scenario's opening line, or a generated one). Then, per policy turn: ONE batched
@@ -6,9 +7,9 @@ scenario's opening line, or a generated one). Then, per policy turn: ONE batched
 finished dialogues drop out. Every dialogue keeps its own :class:`_Dialogue`
 state keyed by a stable id ``<scenario_id>#<k>`` from first turn to reward, so
 rewards can never be attributed to a neighbour when dialogues end at different
-turns (DESIGN §2).
+turns (docs/ARCHITECTURE.md "rollout").
 
-Think mode (DESIGN §1 "Think-then-say"): the policy writes ``<think>...</think>``
+Think mode (the RLVER paper's "think-then-say" template): the policy writes ``<think>...</think>``
 then its reply; only the text after the last ``</think>`` reaches the simulator
 and the history, so later contexts never contain earlier thoughts and each policy
 turn is its own training sample (:class:`TurnSample`) holding exactly the ids
@@ -88,7 +89,7 @@ class ThinkParse:
 
 
 def parse_think(text: str) -> ThinkParse:
-    """Split ``<think>thought</think>reply`` (DESIGN §1).
+    """Split ``<think>thought</think>reply`` (the paper's think-then-say format).
 
     The reply is the text after the last ``</think>``. Without any ``</think>``
     everything from the first ``<think>`` on is thought. Tags are stripped from
@@ -186,7 +187,7 @@ class Trajectory:
     initial_emotion: int = 0
 
     def to_record(self) -> dict[str, Any]:
-        """The JSON record of DESIGN / docs/ARCHITECTURE.md.
+        """The JSON record of docs/ARCHITECTURE.md "Run folder".
 
         Turns: ``{"role": "user", "content"}`` for the opening;
         policy turns ``{"role": "assistant", "content", "thought", "format_ok",
@@ -340,7 +341,7 @@ def run_rollouts(
     max_context_tokens: int | None = None,
     format_violation: Literal["keep_reply", "end_dialogue"] = "keep_reply",
 ) -> list[Trajectory]:
-    """Play ``len(scenarios) * n_per_scenario`` dialogues in lockstep (DESIGN §1-2).
+    """Play ``len(scenarios) * n_per_scenario`` dialogues in lockstep (docs/ARCHITECTURE.md "rollout").
 
     ``max_turns``: cap on policy turns; ``initial_emotion``: starting score
     (0-100); ``sampling``: policy sampling (its seed is replaced per turn by one

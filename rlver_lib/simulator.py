@@ -1,4 +1,4 @@
-"""The affective simulated user (DESIGN §1, SAGE-style "sentient agent").
+"""The affective simulated user (the RLVER paper's SAGE-style "sentient agent"; docs/ARCHITECTURE.md "simulator").
 
 The user holds an emotion score ``e`` in [0, 100] and a mood label
 (:func:`label_for`). After each policy reply it makes two structured calls:
@@ -12,7 +12,7 @@ Between the two, the update rule runs in code, not in the model
 (:func:`apply_change`): the change is clamped to [-10, 10], then
 ``e = clamp(e + change, 0, 100)``.
 
-Robustness (DESIGN §2): each structured call is retried at most
+Robustness (docs/ARCHITECTURE.md "simulator"): each structured call is retried at most
 ``sim_cfg.max_retries`` times on unusable output (invalid JSON, missing or
 mistyped field, change out of range, backend error); every attempt's raw output
 is recorded; a turn that still fails carries ``error`` and no invented score.
@@ -102,7 +102,7 @@ class SimulatorError(RuntimeError):
 
 
 def label_for(e: float) -> Label:
-    """Mood label of emotion score ``e`` (DESIGN §1).
+    """Mood label of emotion score ``e`` (the SAGE / RLVER emotion labels).
 
     S: e >= 100, A: e >= 70, B: e >= 40, C: e >= 10, F: e < 10.
     """
@@ -118,7 +118,7 @@ def label_for(e: float) -> Label:
 
 
 def apply_change(e: int, change: int) -> tuple[int, int]:
-    """The update rule of DESIGN §1: returns ``(clamped_change, new_e)``.
+    """The emotion update rule of the RLVER paper's simulated user: returns ``(clamped_change, new_e)``.
 
     ``clamped_change`` = ``change`` clamped to [-10, 10]; ``new_e`` =
     ``e + clamped_change`` clamped to [0, 100]. Raises ``TypeError`` when either
@@ -380,7 +380,7 @@ class _CallLog:
 
 
 class UserSimulator:
-    """The LLM-played user of DESIGN §1 over any :class:`ChatBackend`.
+    """The LLM-played user of the RLVER paper (appraise, then reply) over any :class:`ChatBackend`.
 
     ``sim_cfg`` gives difficulty (easy / moderate / hard prompt texts),
     temperature, ``max_new_tokens`` and ``max_retries``; ``seed`` seeds every call.

@@ -1,4 +1,4 @@
-"""The ``rlver`` command line: exit codes, error messages, delegation (DESIGN §5)."""
+"""The ``rlver`` command line: exit codes, error messages, delegation (docs/ARCHITECTURE.md "workbench, cli")."""
 
 import json
 import os
