@@ -1,11 +1,13 @@
-"""The ``rlver`` command line (DESIGN §5).
+"""The ``rlver`` command line (docs/ARCHITECTURE.md "workbench, cli"; README "Commands").
 
 ::
 
     rlver run PARAMS.yaml [--set key=value ...]      pipeline notebooks -> outputs/<run>/report.html
     rlver ablate GRID.yaml [--set key=value ...]     every grid cell, then one comparison report
     rlver eval PARAMS.yaml [--set key=value ...]     the benchmark alone (base model or policy.adapter)
-    rlver sage-score FILE [FILE ...] [--json]        Sentient score of SAGE-format transcripts
+    rlver sage-score FILE [FILE ...] [--json]        Sentient score of SAGE-format transcripts (and their protocol)
+    rlver judge-agreement FILE [FILE ...] [--params P] [--set key=value ...] [--sample N] [--seed S] [--json OUT]
+                                                     the benchmark judge against SAGE's stored judgements
     rlver scenarios validate FILE                    exit 0 when valid, else file/line/field named
     rlver models prepare                             convert and check the embedded models
     rlver doctor                                     CPU, native builds, threads, smoke generations
@@ -73,6 +75,14 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_judge_agreement(args: argparse.Namespace) -> int:
+    configure_threads(None)
+    from .agreement import judge_agreement_command
+
+    return judge_agreement_command(args.files, params=args.params, overrides=args.set, sample=args.sample,
+                                   seed=args.seed, json_out=args.json, progress=not args.no_progress)
+
+
 def _cmd_sage_score(args: argparse.Namespace) -> int:
     configure_threads(None)
     from .evaluation import sage_score_command
@@ -103,7 +113,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of the ``rlver`` command (sub-commands as in DESIGN §5)."""
+    """The argparse parser of the ``rlver`` command (sub-commands as in docs/ARCHITECTURE.md "workbench, cli")."""
     parser = argparse.ArgumentParser(prog="rlver", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -129,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
     sage.add_argument("files", nargs="+")
     sage.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sage.set_defaults(func=_cmd_sage_score)
+
+    agree = sub.add_parser("judge-agreement", help="replay SAGE result files through the benchmark judge's "
+                           "appraisal and compare its changes with SAGE's recorded ones")
+    agree.add_argument("files", nargs="+", metavar="FILE", help="SAGE result files (*_result.jsonl)")
+    agree.add_argument("--params", default=None, help="params file whose evaluation.judge is assessed "
+                       "(default: the built-in settings)")
+    agree.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="dotted config override, e.g. evaluation.judge.backend=rule (repeatable)")
+    agree.add_argument("--sample", type=int, default=None, metavar="N", help="replay N turns drawn at random")
+    agree.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the turn sample and the bootstrap")
+    agree.add_argument("--json", default=None, metavar="OUT", help="write the figures as JSON to OUT")
+    agree.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    agree.set_defaults(func=_cmd_judge_agreement)
 
     scen = sub.add_parser("scenarios", help="scenario files").add_subparsers(
         dest="scenarios_command", required=True)

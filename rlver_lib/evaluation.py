@@ -1,4 +1,5 @@
-"""The Sentient benchmark, SAGE transcript scoring and capability retention (DESIGN §1, §3).
+"""The Sentient benchmark, SAGE transcript scoring and capability retention
+(the RLVER paper's evaluation; docs/ARCHITECTURE.md "evaluation").
 
 Benchmark (the paper's "Sentient benchmark", RLVER §4.1 / SAGE): held-out scenarios,
 the simulated user starts at emotion 40, at most 10 policy turns.  The simulated
@@ -507,8 +508,8 @@ def check_same_judge(summaries: dict[str, dict[str, Any]]) -> None:
     """
     missing = [name for name, s in summaries.items() if "judge" not in s or "protocol" not in s]
     if missing:
-        raise JudgeMismatchError(f"cannot compare: {', '.join(missing)} do(es) not record the judge and protocol "
-                                 "that scored it; re-run its evaluation")
+        raise JudgeMismatchError(f"cannot compare: no judge and protocol recorded for {', '.join(missing)} "
+                                 "(evaluated before judges were recorded); re-run its evaluation")
     groups: dict[tuple[str, str], list[str]] = {}
     for name, s in summaries.items():
         groups.setdefault(_comparison_key(s), []).append(name)
@@ -1086,8 +1087,7 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation:
     model, tokenizer = load_policy(cfg.policy)
     policy = make_policy_backend(cfg.policy, model, tokenizer)
     scenarios = load_scenarios(cfg.scenarios.test)[: cfg.scenarios.limit_test]
-    sampling = SamplingParams(temperature=cfg.policy.temperature, top_p=cfg.policy.top_p,
-                              max_new_tokens=cfg.policy.max_new_tokens, seed=cfg.seed)
+    sampling = cfg.policy.sampling(cfg.seed)
     judge = build_judge(cfg.evaluation, cfg.seed)
     try:
         result = run_benchmark(policy, judge, scenarios, cfg.evaluation, sampling=sampling,

@@ -1,4 +1,4 @@
-"""Config-driven runs of the pipeline notebooks (DESIGN §4–5).
+"""Config-driven runs of the pipeline notebooks (docs/ARCHITECTURE.md "workbench, cli").
 
 :func:`run_pipeline` executes the parameterised notebooks in ``notebooks/`` through
 papermill into ``outputs/<run_name>/``::
@@ -34,9 +34,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import nbformat
+import pandas as pd
 import papermill
 import psutil
 import yaml
@@ -45,8 +46,12 @@ from nbconvert.preprocessors import TagRemovePreprocessor
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tqdm import tqdm
 
-from .config import ConfigError, RunConfig, build_config, dump_config, load_config, load_params
-from .io import atomic_write_json, atomic_write_text
+from .config import ConfigError, RunConfig, ScenarioConfig, build_config, dump_config, load_config, load_params
+from .io import atomic_write_json, atomic_write_text, write_jsonl
+from .scenarios import BUILTIN_FILE, RunSplit, Scenario, ScenarioIssue, load_scenarios, validate_file
+
+if TYPE_CHECKING:
+    from .rollout import Trajectory
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = Path(os.environ.get("RLVER_NOTEBOOKS", PROJECT_ROOT / "notebooks"))
@@ -124,6 +129,87 @@ def open_run(params_file: str | Path, run_dir: str | Path | None = None,
     run_dir = Path(run_dir).resolve()
     cfg.output_root, cfg.run_name = str(run_dir.parent), run_dir.name
     return cfg, run_dir
+
+
+# --------------------------------------------------------------------------- notebook helpers
+
+NOTEBOOK_COLUMN_WIDTH = 120
+"""Characters of a pandas cell shown in notebook tables."""
+
+
+def notebook_session(params_file: str | Path, run_dir: str | Path | None = None,
+                     overrides: dict[str, Any] | list[str] | None = None) -> tuple[RunConfig, Path]:
+    """What a pipeline notebook's set-up cell calls: :func:`open_run`, plus inline
+    matplotlib figures (inside IPython), pandas cells up to :data:`NOTEBOOK_COLUMN_WIDTH`
+    characters, and one printed line naming the run folder. Returns ``(cfg, run_dir)``
+    as :func:`open_run` does; raises :class:`ConfigError` on a bad params file."""
+    cfg, run_dir = open_run(params_file, run_dir, overrides)
+    try:
+        from IPython import get_ipython
+    except ImportError:  # plain Python: figures go wherever matplotlib's backend says
+        shell = None
+    else:
+        shell = get_ipython()
+    if shell is not None:
+        shell.run_line_magic("matplotlib", "inline")
+    pd.set_option("display.max_colwidth", NOTEBOOK_COLUMN_WIDTH)
+    print(f"run folder: {run_dir}")
+    return cfg, run_dir
+
+
+def run_scenarios(cfg: RunConfig, run_dir: str | Path, split: str) -> list[Scenario]:
+    """The scenarios a stage of this run uses for ``split`` (``"train"`` or ``"test"``):
+    ``<run_dir>/scenarios/<split>.jsonl`` when the scenarios stage (01) wrote it (already
+    persona-disjoint and limited), else ``cfg.scenarios.<split>`` cut to
+    ``cfg.scenarios.limit_<split>``. Raises ``ValueError`` for another ``split`` and the
+    errors of :func:`rlver_lib.scenarios.load_scenarios` for a bad file."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    written = Path(run_dir) / "scenarios" / f"{split}.jsonl"
+    if written.is_file():
+        return load_scenarios(written)
+    return load_scenarios(getattr(cfg.scenarios, split))[: getattr(cfg.scenarios, f"limit_{split}")]
+
+
+def write_run_scenarios(run_dir: str | Path, split: RunSplit) -> Path:
+    """Write ``split.train`` / ``split.test`` to ``<run_dir>/scenarios/{train,test}.jsonl``
+    (our format, what :func:`run_scenarios` reads back); returns that folder."""
+    folder = Path(run_dir) / "scenarios"
+    for name, items in (("train", split.train), ("test", split.test)):
+        write_jsonl(folder / f"{name}.jsonl", [s.to_record() for s in items])
+    return folder
+
+
+def scenario_table(scenarios: Sequence[Scenario], width: int = 100) -> pd.DataFrame:
+    """One row per scenario: ``id, language, personality, hidden_intention`` and the first
+    ``width`` characters of ``persona`` and ``opening_line`` (empty when there is none)."""
+    return pd.DataFrame([{"id": s.id, "language": s.language, "personality": s.personality,
+                          "hidden_intention": s.hidden_intention, "persona": s.persona[:width],
+                          "opening_line": (s.opening_line or "")[:width]} for s in scenarios],
+                        columns=["id", "language", "personality", "hidden_intention", "persona", "opening_line"])
+
+
+def validate_scenario_sources(section: ScenarioConfig) -> tuple[list[str], list[ScenarioIssue]]:
+    """Check each distinct file named by a ``scenarios`` config section once
+    (``builtin:*`` is the shipped file). Returns ``(files, issues)``; issues as
+    :func:`rlver_lib.scenarios.validate_file` gives them."""
+    files = list(dict.fromkeys(
+        str(BUILTIN_FILE) if spec.startswith("builtin:") else spec for spec in (section.train, section.test)))
+    return files, [issue for f in files for issue in validate_file(f)]
+
+
+def transcript_table(trajectory: Trajectory) -> pd.DataFrame:
+    """One row per transcript entry: ``speaker``, ``text``; simulated-user turns add
+    ``change``, ``emotion``, ``label`` (the mood letter) and one ``appraisal.<field>``
+    column per field of the simulator's private appraisal."""
+    rows = []
+    for entry in trajectory.turns:
+        row = {"speaker": entry["role"], "text": entry["content"]}
+        if "emotion" in entry:
+            row.update(change=entry["change"], emotion=entry["emotion"], label=entry["label"],
+                       **{f"appraisal.{k}": v for k, v in (entry.get("appraisal") or {}).items()})
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 # --------------------------------------------------------------------------- manifest
@@ -338,13 +424,38 @@ def limits_statement(cfg: RunConfig) -> str:
     return "\n\n".join(lines)
 
 
+def run_wall_s(manifest: dict[str, Any]) -> float | None:
+    """The run's wall time in seconds: the sum of its stages' recorded ``wall_s``."""
+    walls = [s.get("wall_s") for s in manifest.get("stages", {}).values() if isinstance(s.get("wall_s"), (int, float))]
+    return float(sum(walls)) if walls else None
+
+
+def judge_statement(cfg: RunConfig) -> str:
+    """Markdown naming the benchmark's judge (``evaluation.judge``) and protocol."""
+    from .evaluation import judge_description, judge_label, judge_seed
+
+    ev = cfg.evaluation
+    judge = judge_label(judge_description(ev.judge, judge_seed(ev, cfg.seed)))
+    rule = ("every policy reply appraised" if ev.protocol == "full"
+            else f"{ev.max_turns} policy replies, the first {ev.max_turns - 1} appraised (SAGE's turn rule)")
+    return (f"**Benchmark judge.** {judge[0].upper() + judge[1:]}, the same for baseline and trained policy "
+            f"and independent of the training simulator. Protocol `{ev.protocol}`: start emotion "
+            f"{ev.initial_emotion}, {rule}, {ev.repeats} dialogue(s) per scenario.")
+
+
 def _report_header(cfg: RunConfig, manifest: dict[str, Any]) -> str:
+    from .evaluation import headline_markdown
+
     git = manifest.get("git", {})
-    return "\n\n".join([
-        f"# RLVER run report: `{cfg.run_name}`",
+    parts = [f"# RLVER run report: `{cfg.run_name}`"]
+    headline = headline_markdown(cfg.run_dir.resolve(), run_wall_s(manifest))
+    if headline:
+        parts.append(headline)
+    return "\n\n".join(parts + [
         f"Seed {cfg.seed}; git commit `{git.get('commit') or 'unknown'}`"
         f"{' (uncommitted changes)' if git.get('dirty') else ''}; "
         f"stages: {', '.join(cfg.stages)}.",
+        judge_statement(cfg),
         limits_statement(cfg),
     ])
 
@@ -562,6 +673,41 @@ def load_grid(path: str | Path, overrides: list[str] | None = None) -> tuple[Abl
     return grid, cells
 
 
+def _refuse_mixed_judges(cells: list[AblationCell]) -> None:
+    """Before anything runs: every cell must have the same ``evaluation.judge`` and
+    protocol settings, else :class:`ConfigError` naming the differing keys (a score
+    depends on its judge, so cells judged differently cannot be compared)."""
+    keys = ("judge", "protocol", "initial_emotion", "max_turns", "repeats")
+    ref = cells[0]
+    ref_eval = ref.config.evaluation.model_dump(mode="json", include=set(keys))
+    diffs: set[str] = set()
+    for cell in cells[1:]:
+        other = cell.config.evaluation.model_dump(mode="json", include=set(keys))
+        diffs |= {f"evaluation.{k}" for k in _diff_keys(ref_eval, other)}
+    if diffs:
+        raise ConfigError(
+            "ablation refused: its cells would be judged differently (changed between cells: "
+            f"{', '.join(sorted(diffs))}); a comparison needs one judge and one protocol for every "
+            "cell — vary the training simulator (simulator.*) instead, or compare separate grids")
+
+
+def _refuse_mixed_recorded_judges(grid_dir: Path, cells: list[AblationCell]) -> None:
+    """After the cells ran: the judges and protocols their ``summary.json`` files record
+    must agree (catches cells resumed from older runs); else :class:`PipelineError`."""
+    from .evaluation import JudgeMismatchError, check_same_judge
+
+    summaries = {}
+    for cell in cells:
+        for path in sorted((grid_dir / cell.name / "eval").glob("*/summary.json")):
+            data = json.loads(path.read_text(encoding="utf-8") or "{}")
+            if isinstance(data.get("sentient_score"), dict):  # a benchmark with figures
+                summaries[f"{cell.name}/{path.parent.name}"] = data
+    try:
+        check_same_judge(summaries)
+    except JudgeMismatchError as err:
+        raise PipelineError(f"ablation comparison refused: {err}") from None
+
+
 def run_ablation(path: str | Path, overrides: list[str] | None = None,
                  *, progress: bool = True) -> Path:
     """Run every cell of the grid at ``path`` and write the comparison report.
@@ -572,11 +718,13 @@ def run_ablation(path: str | Path, overrides: list[str] | None = None,
     """
     grid, cells = load_grid(path, overrides)
     grid_dir = (Path(grid.output_root) / grid.name).resolve()
+    _refuse_mixed_judges(cells)
     atomic_write_text(grid_dir / "grid.yaml", Path(path).read_text(encoding="utf-8"))
     for cell in tqdm(cells, desc=f"ablation {grid.name}", unit="cell", disable=not progress):
         if read_manifest(grid_dir / cell.name).get("status") == "complete":
             continue
         run_pipeline(cell.config, params_file=str(path), progress=progress)
+    _refuse_mixed_recorded_judges(grid_dir, cells)
     output = grid_dir / "notebooks" / "05_ablations.ipynb"
     with _kernel_environment(cells[0].config):
         execute_notebook("05_ablations.ipynb", output, {

@@ -278,3 +278,195 @@ def test_math_loader_rejects_inexact_answer(tmp_path):
     bad.write_text('{"id": "a", "problem": "p", "answer": "pi"}\n', encoding="utf-8")
     with pytest.raises(ValueError, match="m.jsonl:1"):
         load_math_problems(bad)
+
+
+# --------------------------------------------------------------------------- judge, protocols, errors, pairing
+
+
+def _three_scenarios():
+    from rlver_lib.scenarios import load_scenarios
+
+    return load_scenarios(SHARED / "rlver_profiles" / "test_profile.jsonl")[:3]
+
+
+def test_sage_protocol_appraises_nine_of_ten_replies(tmp_path):
+    from rlver_lib.simulator import RuleSimulator
+
+    scenarios = _three_scenarios()
+    modes = dict(zip([s.opening_line for s in scenarios], ["ask", "tell", "alternate"]))
+    cfg = EvaluationConfig(bootstrap_samples=50, protocol="sage")
+    result = run_benchmark(ScriptedPolicy(modes), RuleSimulator(), scenarios, cfg, sampling=SamplingParams(),
+                           think=False, seed=0, out_dir=tmp_path, label="sage", progress=False)
+    # alternate: +10, -5, +10, ... over 9 appraised replies from 40 -> 70 (full protocol: 65);
+    # ask reaches 100 after 6 replies and tell drops below 10 after 7, as under full
+    assert [r["final_emotion"] for r in result.records] == [100, 5, 70]
+    capped = result.records[2]
+    assistants = [t for t in capped["turns"] if t["role"] == "assistant"]
+    updates = [t for t in capped["turns"] if t["role"] == "user" and t.get("change") is not None]
+    assert (len(assistants), len(updates)) == (10, 9)
+    assert capped["turns"][-1]["role"] == "assistant" and capped["turns"][-1]["appraised"] is False
+    assert capped["turns"][-1]["content"] == "I see."  # the 10th reply (an even turn: no question)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["protocol"] == {"name": "sage", "initial_emotion": 40, "max_policy_turns": 10,
+                                   "appraised_turns": 9, "repeats": 1}
+    assert summary["sentient_score"]["value"] == pytest.approx(175 / 3)
+    row = sage_score([tmp_path / "dialogues.jsonl"]).iloc[0]
+    assert row["protocol"] == "sage" and (row["policy_replies"], row["appraised_replies"]) == (6 + 7 + 10, 6 + 7 + 9)
+    with pytest.raises(ValueError, match="sage"):
+        EvaluationConfig(protocol="sage", max_turns=4)
+
+
+@pytest.mark.parametrize("name", ["gpt-4.1_result.jsonl", "claude3.7_result.jsonl", "qwen2.5-72b_result.jsonl"])
+def test_stored_sage_files_are_detected_as_sage_protocol(name, capsys):
+    records = [r for _, r in iter_jsonl(SAGE / name)]
+    replies = sum(m["role"] == "assistant" for r in records for m in r["history"])
+    appraised = sum(m["role"] == "user" and "planning" in m for r in records for m in r["history"])
+    row = sage_score([SAGE / name]).iloc[0]
+    assert row["protocol"] == "sage"
+    assert (row["policy_replies"], row["appraised_replies"]) == (replies, appraised)
+    assert sage_score_command([SAGE / name]) == 0
+    assert "protocol sage" in capsys.readouterr().out
+
+
+def test_repeats_have_their_own_ids_and_seeds_and_intervals_resample_scenarios(tmp_path):
+    from rlver_lib.simulator import RuleSimulator
+    from rlver_lib.stats import cluster_bootstrap_ci
+
+    scenarios = _three_scenarios()
+    modes = dict(zip([s.opening_line for s in scenarios], ["ask", "tell", "alternate"]))
+    cfg = EvaluationConfig(bootstrap_samples=200, repeats=2, max_turns=3)
+    result = run_benchmark(ScriptedPolicy(modes), RuleSimulator(), scenarios, cfg, sampling=SamplingParams(),
+                           think=False, seed=5, out_dir=tmp_path, label="r", progress=False)
+    ids = [r["dialogue_id"] for r in result.records]
+    assert ids == [f"{s.id}#{k}" for k in (0, 1) for s in scenarios]
+    assert {r["seed"] for r in result.records if r["repeat"] == 0} == {5}
+    assert len({r["seed"] for r in result.records}) == 2
+    s = result.summary
+    assert (s.n, s.n_scenarios) == (6, 3)
+    finals = [r["final_emotion"] for r in result.records]  # 3 turns: 70, 25, 55 per repeat
+    assert finals == [70, 25, 55, 70, 25, 55]
+    expected = cluster_bootstrap_ci(finals, [r["scenario_id"] for r in result.records], n_boot=200, seed=5)
+    assert (s.sentient_score.low, s.sentient_score.high) == pytest.approx((expected.low, expected.high))
+    b = s.breakdown
+    assert {"sentient_low", "sentient_high", "n_scenarios"} <= set(b.columns)
+    assert (b["sentient_low"] <= b["sentient_score"]).all() and (b["sentient_score"] <= b["sentient_high"]).all()
+
+
+def test_error_rate_bounds_and_context_limit_are_reported():
+    errored = _record(40, [45], termination="error", hidden_intention="be_heard", personality="negative",
+                      language="en")
+    errored["final_emotion"] = 45  # the last genuine emotion before the failed turn
+    stopped = _record(30, [30], termination="context_limit", hidden_intention="be_heard",
+                      personality="passive", language="en")
+    s = summarize([*FIXTURE, errored, stopped], n_boot=50)
+    assert (s.n, s.n_error, s.n_context_limit) == (4, 1, 1)
+    assert s.error_rate == pytest.approx(1 / 5)
+    assert s.sentient_score.value == pytest.approx((100 + 5 + 60 + 30) / 4)
+    assert s.score_errors_at_last == pytest.approx((100 + 5 + 60 + 45 + 30) / 5)
+    assert s.score_errors_as_zero == pytest.approx((100 + 5 + 60 + 0 + 30) / 5)
+    d = s.to_dict()
+    assert d["terminations"] == {"context_limit": 1, "error": 1, "max_turns": 3} and d["n_context_limit"] == 1
+
+
+def _scored(sid, repeat, final, termination="max_turns"):
+    return {"dialogue_id": f"{sid}#{repeat}", "scenario_id": sid, "repeat": repeat, "initial_emotion": 40,
+            "turns": [], "final_emotion": final, "termination": termination}
+
+
+def test_paired_comparison_by_scenario_and_repeat():
+    from rlver_lib.evaluation import paired_comparison
+
+    baseline = [_scored("a", 0, 40), _scored("a", 1, 50), _scored("b", 0, 30), _scored("b", 1, 20),
+                _scored("c", 0, 60), _scored("c", 1, 10, "error"), _scored("d", 0, 45)]
+    trained = [_scored("a", 0, 60), _scored("a", 1, 55), _scored("b", 0, 25), _scored("b", 1, 35),
+               _scored("c", 0, 80), _scored("c", 1, 90), _scored("d", 0, 45, "error")]
+    pc = paired_comparison(baseline, trained, n_boot=9, confidence=0.8, seed=2)
+    # per scenario: a: (20 + 5) / 2 = 12.5; b: (-5 + 15) / 2 = 5; c: one pair left, 20; d: dropped
+    table = pc.table.set_index("scenario_id")
+    assert table["diff"].to_dict() == pytest.approx({"a": 12.5, "b": 5.0, "c": 20.0})
+    assert table["n_pairs"].to_dict() == {"a": 2, "b": 2, "c": 1}
+    assert (pc.n_pairs, pc.n_dropped) == (5, 2)
+    d = np.array([12.5, 5.0, 20.0])
+    assert pc.difference.mean_diff == pytest.approx(d.mean())
+    idx = np.random.default_rng(2).integers(0, 3, size=(9, 3))
+    assert (pc.difference.ci_low, pc.difference.ci_high) == pytest.approx(
+        tuple(np.percentile(d[idx].mean(axis=1), [10, 90])))
+    assert pc.difference.p_value == pytest.approx(2 / 8)  # all 3 positive: 2 of 8 sign patterns as extreme
+    assert pc.baseline_score == pytest.approx((40 + 50 + 30 + 20 + 60) / 5)
+    out = pc.to_dict()
+    assert {"mean_diff", "ci_low", "ci_high", "n_scenarios", "p_value"} <= set(out) and out["n_scenarios"] == 3
+
+
+def test_mixed_judges_are_refused():
+    from rlver_lib.evaluation import JudgeMismatchError, check_same_judge
+
+    proto = {"name": "full", "initial_emotion": 40, "max_policy_turns": 10, "appraised_turns": 10, "repeats": 1}
+    moderate = {"backend": "llamacpp", "model": "m", "difficulty": "moderate", "seed": 0}
+    check_same_judge({"x": {"judge": moderate, "protocol": proto}, "y": {"judge": dict(moderate), "protocol": proto}})
+    with pytest.raises(JudgeMismatchError, match=r"judge\.difficulty: x='moderate' vs y='hard'"):
+        check_same_judge({"x": {"judge": moderate, "protocol": proto},
+                          "y": {"judge": {**moderate, "difficulty": "hard"}, "protocol": proto}})
+    with pytest.raises(JudgeMismatchError, match="protocol.name"):
+        check_same_judge({"x": {"judge": moderate, "protocol": proto},
+                          "y": {"judge": moderate, "protocol": {**proto, "name": "sage"}}})
+    with pytest.raises(JudgeMismatchError, match="no judge and protocol recorded for old"):
+        check_same_judge({"x": {"judge": moderate, "protocol": proto}, "old": {"sentient_score": {}}})
+
+
+def test_ablation_over_the_judge_is_refused_before_anything_runs(tmp_path):
+    import textwrap
+
+    from rlver_lib import workbench
+    from rlver_lib.config import ConfigError
+
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(textwrap.dedent(f"""
+        name: g
+        output_root: {tmp_path / 'out'}
+        base:
+          simulator: {{backend: rule}}
+          stages: [scenarios]
+        axes:
+          evaluation.judge.difficulty: [moderate, hard]
+    """))
+    with pytest.raises(ConfigError, match=r"judged differently.*evaluation\.judge"):
+        workbench.run_ablation(grid, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_evaluate_uses_the_judge_not_the_training_simulator(tmp_path, monkeypatch):
+    from rlver_lib import models
+    from rlver_lib.config import build_config
+    from rlver_lib.evaluation import evaluate, headline_markdown
+
+    scenarios = _three_scenarios()
+    openings = [s.opening_line for s in scenarios]
+    policies = {"baseline": ScriptedPolicy(dict(zip(openings, ["tell", "tell", "alternate"]))),
+                "trained": ScriptedPolicy(dict(zip(openings, ["ask", "alternate", "ask"])))}
+    current = {}
+    monkeypatch.setattr(models, "load_policy", lambda cfg: (None, None))
+    monkeypatch.setattr(models, "make_policy_backend", lambda cfg, m, t: policies[current["label"]])
+    cfg = build_config({
+        "output_root": str(tmp_path), "run_name": "r",
+        # a hard LLM training simulator that must not be built: its model file does not exist
+        "simulator": {"backend": "llamacpp", "model": str(tmp_path / "none.gguf"), "difficulty": "hard"},
+        "scenarios": {"test": str(SHARED / "rlver_profiles" / "test_profile.jsonl"), "limit_test": 3},
+        "evaluation": {"judge": {"backend": "rule"}, "max_turns": 4, "bootstrap_samples": 50},
+        "capability": {"enabled": False},
+    })
+    for label in ("baseline", "trained"):
+        current["label"] = label
+        ev = evaluate(cfg, label=label)
+    summary = json.loads((tmp_path / "r" / "eval" / "trained" / "summary.json").read_text())
+    assert summary["judge"] == {"backend": "rule", "change_function": "default_change_fn"}
+    assert summary["protocol"]["name"] == "full"
+    paired = json.loads((tmp_path / "r" / "eval" / "paired.json").read_text())
+    # 4 turns from 40: tell -> 20, alternate -> 50, ask -> 80
+    base = {"tell": 20, "alternate": 50, "ask": 80}
+    expected = [base[b] - base[a] for a, b in zip(["tell", "tell", "alternate"], ["ask", "alternate", "ask"])]
+    assert paired["mean_diff"] == pytest.approx(np.mean(expected)) and paired["n_scenarios"] == 3
+    assert ev.paired is not None and ev.paired.difference.mean_diff == pytest.approx(paired["mean_diff"])
+    text = headline_markdown(tmp_path / "r", wall_s=125.0)
+    assert text.startswith("## Headline") and f"{np.mean(expected):+.1f} emotion points" in text
+    assert "n = 3 scenarios &lt; 10" in text or "n = 3 scenarios < 10" in text
+    assert "rule simulator" in text and "Protocol: `full`" in text and "2.1 min" in text

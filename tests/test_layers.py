@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("backends", {"native", "backends", "vllm_backend", "models"}),
     ("simulator and rollout", {"scenarios", "simulator", "rollout"}),
     ("algorithms and trainer", {"algorithms", "checkpoint", "trainer"}),
-    ("evaluation", {"evaluation", "capability"}),
+    ("evaluation", {"evaluation", "capability", "agreement"}),
     ("analysis", {"analysis"}),
     ("pipeline and CLI", {"workbench", "doctor", "cli"}),
 ]

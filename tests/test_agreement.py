@@ -1,0 +1,155 @@
+"""Judge agreement with SAGE's stored judgements (rlver_lib.agreement, `rlver judge-agreement`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlver_lib.agreement import (
+    agreement_metrics,
+    bucket,
+    judge_agreement,
+    load_replay,
+    replay_turns,
+    sample_turns,
+)
+from rlver_lib.cli import main
+from rlver_lib.simulator import RuleSimulator, SimulatorTurn, apply_change, label_for
+
+SHARED = Path(os.environ.get("RLVER_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
+SAGE = SHARED / "sage_results"
+SCENE = "## 剧本背景故事\n王小云和朋友吵架了。\n####隐藏主题:\n***你希望对方用心倾听你的情绪宣泄"
+
+
+def _dialogue(rid: str, start: int, steps: list[tuple[str, int]]) -> dict:
+    """A SAGE result record: opening at ``start``, then per (reply, recorded change) an
+    assistant message and a user message with the emotion after it."""
+    history = [{"role": "user", "content": "我心里很乱。", "emotion-point": start}]
+    e = start
+    for reply, change in steps:
+        e = max(0, min(100, e + change))
+        history += [{"role": "assistant", "content": reply},
+                    {"role": "user", "content": "嗯。", "emotion-point": e,
+                     "planning": {"analyse": "...", "change": change}}]
+    return {"id": rid, "emo_point": e, "player": "* 姓名：王小云\n* 年龄：23岁", "scene": SCENE,
+            "character": "被动型", "task": "你希望对方用心倾听你的情绪宣泄", "history": history}
+
+
+# Two dialogues; our judge gives the change written in the reply ("c=N").
+# recorded: [5, -3, 0] and [-6, 8]; ours: [2, -1, 4] and [-2, 10].
+TWO = [_dialogue("A", 40, [("c=2", 5), ("c=-1", -3), ("c=4", 0)]),
+       _dialogue("B", 30, [("c=-2", -6), ("c=10", 8)])]
+
+
+class ScriptedJudge:
+    """Appraises by the number in the reply and records every request it saw."""
+
+    def __init__(self):
+        self.requests = []
+
+    def appraise(self, requests):
+        out = []
+        for r in requests:
+            self.requests.append(r)
+            raw = int(r.history[-1]["content"].split("=")[1])
+            change, e = apply_change(r.emotion, raw)
+            out.append(SimulatorTurn(r.dialogue_id, change, raw, r.emotion, e, label_for(e), {}, None, False))
+        return out
+
+
+@pytest.fixture
+def two_file(tmp_path):
+    path = tmp_path / "two_result.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in TWO), encoding="utf-8")
+    return path
+
+
+def test_two_dialogue_case_with_known_rho_and_mae(two_file):
+    turns, scenarios = load_replay([two_file])
+    assert [(t.dialogue, t.turn, t.emotion_before, t.recorded_change) for t in turns] == [
+        ("two_result.jsonl:A", 0, 40, 5), ("two_result.jsonl:A", 1, 45, -3), ("two_result.jsonl:A", 2, 42, 0),
+        ("two_result.jsonl:B", 0, 30, -6), ("two_result.jsonl:B", 1, 24, 8)]
+    judge = ScriptedJudge()
+    result = judge_agreement(turns, scenarios, judge, n_boot=200, seed=0, progress=False)
+    # ranks by hand: recorded [5,-3,0,-6,8] -> [4,2,3,1,5]; ours [2,-1,4,-2,10] -> [3,2,4,1,5]
+    # sum d^2 = 1 + 0 + 1 + 0 + 0 = 2; rho = 1 - 6 * 2 / (5 * (25 - 1)) = 0.9
+    assert result["spearman"] == pytest.approx(0.9)
+    # |2-5| + |-1+3| + |4-0| + |-2+6| + |10-8| = 3 + 2 + 4 + 4 + 2 = 15 over 5 turns
+    assert result["mae"] == pytest.approx(3.0)
+    # signs agree on 4 of 5 turns (0 vs +4 disagrees)
+    assert result["sign_agreement"] == pytest.approx(0.8)
+    r, o = np.array([5, -3, 0, -6, 8.0]), np.array([2, -1, 4, -2, 10.0])
+    pearson = ((r - r.mean()) * (o - o.mean())).sum() / np.sqrt(((r - r.mean()) ** 2).sum() * ((o - o.mean()) ** 2).sum())
+    assert result["pearson"] == pytest.approx(pearson)
+    assert (result["n_turns"], result["n_dialogues"], result["n_failed"]) == (5, 2, 0)
+    counts = dict(zip(result["confusion"]["buckets"], result["confusion"]["counts"]))
+    # recorded bucket -> our bucket: 5->1..4, -3->-4..-1, 0->1..4, -6->-4..-1, 8->>=5
+    assert counts[">=5"] == [0, 0, 0, 1, 1] and counts["-4..-1"] == [0, 1, 0, 0, 0]
+    assert counts["0"] == [0, 0, 0, 1, 0] and counts["<=-5"] == [0, 1, 0, 0, 0]
+    # each appraisal saw the recorded emotion before it and the history up to its reply only
+    seen = judge.requests[1]
+    assert seen.emotion == 45 and seen.history[-1] == {"role": "assistant", "content": "c=-1"}
+    assert [m["role"] for m in seen.history] == ["user", "assistant", "user", "assistant"]
+    assert seen.scenario.hidden_intention == "be_heard" and "####" not in seen.scenario.situation_text
+    # the rule floor: +10 for a question, else -5 -> all -5 here
+    assert [t["rule"] for t in result["turns"]] == [-5] * 5
+    assert result["floor_rule"]["mae"] == pytest.approx(np.abs(r + 5).mean())
+    assert result["floor_rule"]["spearman"] is None  # a constant judge has no rank correlation
+
+
+def test_intervals_resample_dialogues_and_control_is_near_chance():
+    rng = np.random.default_rng(0)
+    recorded = rng.integers(-10, 11, size=300)
+    ours = np.clip(recorded + rng.integers(-3, 4, size=300), -10, 10)
+    clusters = np.repeat(np.arange(30), 10).tolist()
+    m = agreement_metrics(recorded, ours, clusters, n_boot=300, seed=1)
+    assert m["spearman_ci"][0] < m["spearman"] < m["spearman_ci"][1]
+    assert m["spearman"] > 0.8
+    from rlver_lib.agreement import shuffled_control
+
+    control = shuffled_control(recorded, ours, n_shuffles=100, seed=0)
+    assert abs(control["spearman"]) < 0.05 and control["mae"] > m["mae"]
+
+
+def test_buckets_and_sampling():
+    assert [bucket(c) for c in (-10, -5, -4, -1, 0, 1, 4, 5, 10)] == [
+        "<=-5", "<=-5", "-4..-1", "-4..-1", "0", "1..4", "1..4", ">=5", ">=5"]
+    turns = replay_turns(TWO[0], "f") + replay_turns(TWO[1], "f")
+    picked = sample_turns(turns, 3, seed=1)
+    assert len(picked) == 3 and picked == [t for t in turns if t in picked]  # file order kept
+    assert sample_turns(turns, 3, seed=1) == picked and sample_turns(turns, None, 0) == turns
+
+
+@pytest.mark.skipif(not SAGE.is_dir(), reason="reference data not found")
+def test_cli_rule_judge_on_stored_sage_dialogues(tmp_path, capsys):
+    out = tmp_path / "agree.json"
+    gpt = SAGE / "gpt-4.1_result.jsonl"
+    code = main(["judge-agreement", str(gpt), "--set", "evaluation.judge.backend=rule",
+                 "--sample", "40", "--seed", "3", "--json", str(out), "--no-progress"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["n_turns"] == 40 and data["judge"]["backend"] == "rule"
+    for key in ("spearman", "spearman_ci", "sign_agreement", "mae", "pearson", "confusion",
+                "floor_rule", "control_shuffled"):
+        assert key in data
+    # recompute from the raw file: each sampled turn's recorded change, and the rule's change
+    raw = {}
+    for line in gpt.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        raw[rec["id"]] = rec["history"]
+    for t in data["turns"]:
+        history = raw[t["dialogue"].split(":", 1)[1]]
+        assistants = [i for i, m in enumerate(history) if m["role"] == "assistant"]
+        i = assistants[t["turn"]]
+        assert t["recorded"] == history[i + 1]["planning"]["change"]
+        assert t["emotion_before"] == history[i - 1]["emotion-point"]
+        assert t["judge"] == (10 if history[i]["content"].rstrip().endswith(("?", "？")) else -5)
+    ours = np.array([t["judge"] for t in data["turns"]], dtype=float)
+    rec = np.array([t["recorded"] for t in data["turns"]], dtype=float)
+    assert data["mae"] == pytest.approx(np.abs(ours - rec).mean())
+    assert "shuffled pairs" in capsys.readouterr().out
+    assert main(["judge-agreement", str(tmp_path / "missing.jsonl"), "--set", "evaluation.judge.backend=rule"]) == 2

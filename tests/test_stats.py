@@ -1,0 +1,121 @@
+"""Resampling statistics (rlver_lib.stats), checked against hand computations and scipy."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlver_lib.stats import (
+    bootstrap_ci,
+    cluster_bootstrap,
+    cluster_bootstrap_ci,
+    curve_ci,
+    paired_difference,
+    sign_flip_test,
+    sign_test,
+)
+
+# A fixed paired table: 8 scenarios, baseline and trained Sentient scores.
+BASELINE = np.array([40.0, 35.0, 52.0, 60.0, 20.0, 45.0, 38.0, 50.0])
+TRAINED = np.array([48.0, 33.0, 60.0, 61.0, 30.0, 45.0, 47.0, 56.0])
+
+
+def test_paired_difference_arithmetic_on_a_fixed_table():
+    d = TRAINED - BASELINE  # [8, -2, 8, 1, 10, 0, 9, 6]
+    assert d.tolist() == [8, -2, 8, 1, 10, 0, 9, 6]
+    result = paired_difference(BASELINE, TRAINED, n_boot=5, confidence=0.8, seed=7)
+    assert result.mean_diff == pytest.approx(40 / 8)
+    # the bootstrap by hand: 5 resamples of the 8 differences, 10th / 90th percentiles
+    idx = np.random.default_rng(7).integers(0, 8, size=(5, 8))
+    means = np.sort([d[row].sum() / 8 for row in idx])
+    # linear interpolation at positions 0.1 * 4 = 0.4 and 0.9 * 4 = 3.6
+    low = means[0] + 0.4 * (means[1] - means[0])
+    high = means[3] + 0.6 * (means[4] - means[3])
+    assert (result.ci_low, result.ci_high) == pytest.approx((low, high))
+    # exact sign-flip test by enumerating all 2**8 sign patterns
+    observed = abs(d.mean())
+    extreme = sum(abs((d * np.array(signs)).mean()) >= observed - 1e-12
+                  for signs in itertools.product([1, -1], repeat=8))
+    assert result.p_value == pytest.approx(extreme / 2**8)
+    # sign test: 6 positive of 7 non-zero, two-sided binomial(7, 1/2)
+    tail = sum(math.comb(7, k) for k in (0, 1, 6, 7)) / 2**7
+    assert result.sign_test_p == pytest.approx(tail)
+    assert (result.n_scenarios, result.n_positive, result.n_negative, result.n_zero) == (8, 6, 1, 1)
+    assert set(result.to_dict()) >= {"mean_diff", "ci_low", "ci_high", "n_scenarios", "p_value"}
+
+
+def test_paired_difference_matches_scipy_bootstrap_and_permutation_in_distribution():
+    from scipy import stats as sps
+
+    rng = np.random.default_rng(0)
+    a = rng.normal(50, 10, size=40)
+    b = a + rng.normal(3, 4, size=40)
+    ours = paired_difference(a, b, n_boot=4000, seed=1, n_resamples=4000)
+    ref = sps.bootstrap((b - a,), np.mean, method="percentile", n_resamples=4000,
+                        random_state=np.random.default_rng(2)).confidence_interval
+    assert ours.ci_low == pytest.approx(ref.low, abs=0.25) and ours.ci_high == pytest.approx(ref.high, abs=0.25)
+    assert ours.p_value < 0.001
+    with pytest.raises(ValueError, match="not paired"):
+        paired_difference([1.0, 2.0], [1.0])
+
+
+def test_sign_flip_and_sign_test_edge_cases():
+    assert sign_flip_test([0.0, 0.0, 0.0]) == 1.0
+    assert sign_test([0.0, 0.0]) == 1.0
+    # all 4 differences positive: exact two-sided p = 2 / 16
+    assert sign_flip_test([1.0, 2.0, 3.0, 4.0]) == pytest.approx(2 / 16)
+    with pytest.raises(ValueError):
+        sign_flip_test([])
+    with pytest.raises(ValueError):
+        sign_flip_test([1.0, np.inf])
+
+
+def test_cluster_bootstrap_resamples_whole_clusters():
+    values = np.array([10.0, 20.0, 30.0, 70.0, 80.0, 5.0])
+    clusters = ["a", "a", "a", "b", "b", "c"]
+    est = cluster_bootstrap_ci(values, clusters, n_boot=6, confidence=0.5, seed=4)
+    assert est.value == pytest.approx(values.mean())
+    members = {0: [10.0, 20.0, 30.0], 1: [70.0, 80.0], 2: [5.0]}  # clusters in order of appearance
+    idx = np.random.default_rng(4).integers(0, 3, size=(6, 3))
+    means = np.sort([np.mean([v for c in row for v in members[c]]) for row in idx])
+    assert (est.low, est.high) == pytest.approx(tuple(np.percentile(means, [25, 75])))
+    # one value per cluster: the plain bootstrap, draw for draw
+    plain = bootstrap_ci(values, n_boot=50, seed=3)
+    assert cluster_bootstrap_ci(values, list(range(6)), n_boot=50, seed=3) == plain
+    with pytest.raises(ValueError, match="labels"):
+        cluster_bootstrap_ci(values, ["a"], n_boot=10)
+
+
+def test_clustered_interval_is_wider_than_the_naive_one_for_replicas():
+    # 12 scenarios x 4 identical replicas: resampling replicas as if independent is too narrow
+    rng = np.random.default_rng(5)
+    per_scenario = rng.normal(50, 15, size=12)
+    values = np.repeat(per_scenario, 4)
+    clusters = np.repeat(np.arange(12), 4).tolist()
+    naive = bootstrap_ci(values, n_boot=2000, seed=0)
+    clustered = cluster_bootstrap_ci(values, clusters, n_boot=2000, seed=0)
+    assert (clustered.high - clustered.low) > 1.6 * (naive.high - naive.low)
+
+
+def test_cluster_bootstrap_of_any_statistic():
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    est = cluster_bootstrap(lambda idx: float(np.median(x[idx])), 4, ["p", "p", "q", "q"], n_boot=20, seed=0)
+    assert est.value == pytest.approx(2.5)
+    assert 1.5 <= est.low <= est.high <= 3.5
+
+
+def test_curve_ci_is_clustered_per_step():
+    table = pd.DataFrame({"step": [1, 1, 1, 1, 0, 0], "reward": [0.2, 0.4, 0.6, 0.6, 0.5, 0.5],
+                          "scenario_id": ["a", "a", "b", "b", "a", "b"]})
+    curve = curve_ci(table, value="reward", n_boot=30, seed=2)
+    assert curve["step"].tolist() == [0, 1]
+    assert curve["mean"].tolist() == pytest.approx([0.5, 0.45])
+    assert curve["n"].tolist() == [2, 4] and curve["n_clusters"].tolist() == [2, 2]
+    step1 = cluster_bootstrap_ci([0.2, 0.4, 0.6, 0.6], ["a", "a", "b", "b"], n_boot=30, seed=3)
+    assert (curve["low"].iloc[1], curve["high"].iloc[1]) == pytest.approx((step1.low, step1.high))
+    with pytest.raises(KeyError, match="reward2"):
+        curve_ci(table, value="reward2")
