@@ -167,7 +167,8 @@ class TurnSample:
 class Trajectory:
     """One finished dialogue: transcript, reward and per-turn samples.
 
-    ``turns``: transcript entries (see :meth:`to_record`); ``final_emotion`` in
+    ``transcript``: every entry of the dialogue in order, user and assistant alike
+    (see :meth:`to_record`); ``final_emotion`` in
     [0, 100]; ``reward`` = final_emotion / 100; ``samples``: one
     :class:`TurnSample` per policy turn (empty for backends without token ids);
     ``format_violations``: number of malformed think blocks (think mode).
@@ -178,7 +179,7 @@ class Trajectory:
     dialogue_id: str
     scenario_id: str
     group_id: str
-    turns: list[dict[str, Any]]
+    transcript: list[dict[str, Any]]
     final_emotion: int
     reward: float
     termination: Termination
@@ -189,7 +190,7 @@ class Trajectory:
     def to_record(self) -> dict[str, Any]:
         """The JSON record of docs/ARCHITECTURE.md "Run folder".
 
-        Turns: ``{"role": "user", "content"}`` for the opening;
+        ``transcript`` entries: ``{"role": "user", "content"}`` for the opening;
         policy turns ``{"role": "assistant", "content", "thought", "format_ok",
         "format_problem", "raw"}``; user turns ``{"role": "user", "content",
         "change", "raw_change", "emotion_before", "emotion", "label",
@@ -201,13 +202,27 @@ class Trajectory:
             "scenario_id": self.scenario_id,
             "group_id": self.group_id,
             "initial_emotion": self.initial_emotion,
-            "turns": self.turns,
+            "transcript": self.transcript,
             "final_emotion": self.final_emotion,
             "reward": self.reward,
             "termination": self.termination,
             "format_violations": self.format_violations,
-            "policy_turns": sum(t["role"] == "assistant" for t in self.turns),
+            "policy_turns": sum(t["role"] == "assistant" for t in self.transcript),
         }
+
+    @property
+    def turns(self) -> list[dict[str, Any]]:
+        """Old name of :attr:`transcript`, kept for callers written before the rename."""
+        return self.transcript
+
+
+def record_transcript(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The transcript entries of a dialogue record: ``transcript``, or ``turns`` in
+    records written before the rename (older run folders); ``[]`` when neither is set."""
+    transcript = record.get("transcript")
+    if transcript is None:
+        transcript = record.get("turns")
+    return list(transcript or [])
 
 
 @dataclass
@@ -219,7 +234,7 @@ class _Dialogue:
     emotion: int
     initial_emotion: int
     history: list[dict[str, str]] = field(default_factory=list)
-    turns: list[dict[str, Any]] = field(default_factory=list)
+    transcript: list[dict[str, Any]] = field(default_factory=list)
     samples: list[TurnSample] = field(default_factory=list)
     format_violations: int = 0
     termination: Termination | None = None
@@ -229,7 +244,7 @@ class _Dialogue:
             dialogue_id=self.dialogue_id,
             scenario_id=self.scenario.id,
             group_id=self.scenario.id,
-            turns=self.turns,
+            transcript=self.transcript,
             final_emotion=self.emotion,
             reward=self.emotion / 100.0,
             termination=self.termination or "max_turns",
@@ -248,7 +263,7 @@ def _record_policy_turn(
 ) -> bool:
     """Store one policy output; returns True when its reply goes to the user."""
     parsed = parse_think(generation.text) if think else ThinkParse("", generation.text.strip(), True)
-    dialogue.turns.append(
+    dialogue.transcript.append(
         {
             "role": "assistant",
             "content": parsed.reply,
@@ -275,7 +290,7 @@ def _record_policy_turn(
 
 
 def _record_user_turn(dialogue: _Dialogue, result: SimulatorTurn) -> None:
-    dialogue.turns.append(
+    dialogue.transcript.append(
         {
             "role": "user",
             "content": result.reply,
@@ -317,10 +332,10 @@ def _start_dialogues(
         for k in range(n_per_scenario):
             d = _Dialogue(f"{scenario.id}#{k}", scenario, initial_emotion, initial_emotion)
             if opening is None:
-                d.turns.append({"role": "user", "content": None, "error": "opening line could not be generated"})
+                d.transcript.append({"role": "user", "content": None, "error": "opening line could not be generated"})
                 d.termination = "error"
             else:
-                d.turns.append({"role": "user", "content": opening})
+                d.transcript.append({"role": "user", "content": opening})
                 d.history.append({"role": "user", "content": opening})
             dialogues.append(d)
     return dialogues

@@ -1,4 +1,4 @@
-"""Scenarios: who the simulated user is and what they secretly want (DESIGN §1, §3).
+"""Scenarios: who the simulated user is and what they secretly want (docs/ARCHITECTURE.md "scenarios").
 
 A :class:`Scenario` is a persona card, a situation, a personality type
 (``negative`` / ``passive`` / ``avoidant``) and one of the paper's eight
@@ -32,8 +32,8 @@ import json
 import logging
 import random
 import re
-from functools import lru_cache
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, Sequence
 
@@ -93,7 +93,8 @@ HIDDEN_INTENTIONS: dict[str, HiddenIntention] = {
                         "You want the other person to deeply empathise with your feelings, not offer shallow comfort.",
                         "你希望对方深刻共情你的感受，而不是简单的安慰"),
         HiddenIntention("not_at_fault", "emotional",
-                        "You believe you bear no responsibility or fault in the events and want the other person to agree.",
+                        "You believe you bear no responsibility or fault in the events"
+                        " and want the other person to agree.",
                         "你认为自己在事件中没有任何责任和错误，你想要对方也认同你没有错"),
     )
 }
@@ -107,8 +108,9 @@ PERSONALITY_TYPES: dict[str, PersonalityType] = {
     )
 }
 
-_INTENTION_BY_ZH = {h.zh: h.key for h in HIDDEN_INTENTIONS.values()}
-_PERSONALITY_BY_ZH = {p.zh: p.key for p in PERSONALITY_TYPES.values()}
+#: The Chinese wording of RLVER/SAGE files (``task``, ``main_cha`` / ``character``) -> our key.
+INTENTION_BY_ZH = {h.zh: h.key for h in HIDDEN_INTENTIONS.values()}
+PERSONALITY_BY_ZH = {p.zh: p.key for p in PERSONALITY_TYPES.values()}
 
 IntentionKey = Literal["analyse_problem", "practical_advice", "understand_others", "reflect_grow",
                        "specific_praise", "be_heard", "deep_empathy", "not_at_fault"]
@@ -123,7 +125,7 @@ DUPLICATE_THRESHOLD = 0.6
 
 
 class Situation(BaseModel):
-    """What happened and how the person reacts (DESIGN §1): the background story, the
+    """What happened and how the person reacts (a SAGE / RLVER scenario): the background story, the
     conflict, the current state, how they speak at high / low / normal mood, and how
     they react to replies that fit or miss their hidden intention."""
 
@@ -403,13 +405,13 @@ def _convert_profile(path: Path, raw: _RawRecord) -> tuple[Scenario | None, list
     except ValidationError as err:
         return None, _issues_from_validation(path, raw, err)
     issues = []
-    intention = _INTENTION_BY_ZH.get(rec.task.strip())
+    intention = INTENTION_BY_ZH.get(rec.task.strip())
     if intention is None:
         issues.append(ScenarioIssue(str(path), raw.line, "task", f"unknown intention {rec.task!r}"))
-    personality = _PERSONALITY_BY_ZH.get(rec.main_cha.strip())
+    personality = PERSONALITY_BY_ZH.get(rec.main_cha.strip())
     if personality is None:
         issues.append(ScenarioIssue(str(path), raw.line, "main_cha", f"unknown personality {rec.main_cha!r}; "
-                                    f"expected one of {sorted(_PERSONALITY_BY_ZH)}"))
+                                    f"expected one of {sorted(PERSONALITY_BY_ZH)}"))
     if issues:
         return None, issues
     scene = _HIDDEN_THEME_TRAILER.sub("", rec.scene).strip()
@@ -438,7 +440,8 @@ def _parse_file(path: str | Path) -> tuple[list[Scenario], list[ScenarioIssue]]:
             continue
         if scenario.id in first_line_of_id:
             issues.append(ScenarioIssue(str(path), raw.field_lines.get("id", raw.line), "id",
-                                        f"duplicate id {scenario.id!r} (first on line {first_line_of_id[scenario.id]})"))
+                                        f"duplicate id {scenario.id!r} "
+                                        f"(first on line {first_line_of_id[scenario.id]})"))
             continue
         first_line_of_id[scenario.id] = raw.line
         scenarios.append(scenario)
@@ -557,7 +560,8 @@ _GEN_PROMPTS = {
     "zh": {
         "system": "你为训练共情对话助手编写剧本。剧本描述一位将与助手谈论自己生活中某个问题的人。"
                   "文字要原创、具体、可信。只输出一个JSON对象。",
-        "user": "写一个新剧本。\n性格类型：{personality}\n隐藏主题（此人希望从对话中得到、但从不直接说出的东西）：{intention}\n"
+        "user": "写一个新剧本。\n性格类型：{personality}\n"
+                "隐藏主题（此人希望从对话中得到、但从不直接说出的东西）：{intention}\n"
                 "字段：persona（2-4句的人物卡：姓名、年龄、职业、习惯、说话方式）；situation，包含 background、"
                 "conflict、current_state（各1-3句），mood_high、mood_low、mood_normal（此情绪下如何说话，各一句），"
                 "reply_fit 和 reply_miss（对贴合或偏离隐藏主题的回复如何反应，各一句）；opening_line（此人的第一句话，"
@@ -661,3 +665,37 @@ def generate_scenarios(backend: ChatBackend, n: int, *, seed: int, existing: Ite
         log.warning("generate_scenarios: %d of %d scenarios not produced after %d rounds",
                     len(pending), n, max_rounds)
     return accepted
+
+
+# --------------------------------------------------------------------------- a run's split
+
+
+@dataclass(frozen=True)
+class RunSplit:
+    """A run's scenario sets: no persona card (:attr:`Scenario.persona_key`) is in both
+    ``train`` and ``test``; ``dropped`` lists the training scenarios left out because
+    their persona is in ``test`` (before the size limits)."""
+
+    train: list[Scenario]
+    test: list[Scenario]
+    dropped: list[Scenario]
+
+
+def split_for_run(train: Sequence[Scenario], test: Sequence[Scenario], section: Any,
+                  *, seed: int = 0) -> RunSplit:
+    """The persona-disjoint train/test sets of a run (what the scenarios stage writes).
+
+    ``section`` is the run's ``scenarios`` config (:class:`rlver_lib.config.ScenarioConfig`:
+    ``train``, ``test``, ``limit_train``, ``limit_test``). When ``section.train ==
+    section.test`` (one source), ``train`` is split by persona with
+    :func:`persona_disjoint_split` (``seed``) and ``test`` is not used; otherwise every
+    training scenario whose persona is in ``test`` is dropped (the public RLVER/SAGE sets
+    share 54 of their 100 test personas with training). The limits apply last. Input
+    order is kept. Raises ``ValueError`` as :func:`persona_disjoint_split` does.
+    """
+    if section.train == section.test:
+        train, test = persona_disjoint_split(train, seed=seed)
+    test_personas = {s.persona_key for s in test}
+    kept = [s for s in train if s.persona_key not in test_personas]
+    dropped = [s for s in train if s.persona_key in test_personas]
+    return RunSplit(kept[: section.limit_train], list(test)[: section.limit_test], dropped)

@@ -203,7 +203,7 @@ def transcript_table(trajectory: Trajectory) -> pd.DataFrame:
     ``change``, ``emotion``, ``label`` (the mood letter) and one ``appraisal.<field>``
     column per field of the simulator's private appraisal."""
     rows = []
-    for entry in trajectory.turns:
+    for entry in trajectory.transcript:
         row = {"speaker": entry["role"], "text": entry["content"]}
         if "emotion" in entry:
             row.update(change=entry["change"], emotion=entry["emotion"], label=entry["label"],

@@ -104,7 +104,7 @@ def test_dialogues_ending_at_different_turns_get_their_own_reward():
         assert t.termination == "goodbye"
         assert t.final_emotion == 40 + 2 * k * k and t.reward == pytest.approx((40 + 2 * k * k) / 100)
         assert t.to_record()["policy_turns"] == k and len(t.samples) == k
-        assert [u["emotion"] for u in t.turns if "emotion" in u] == [40 + 2 * k * j for j in range(1, k + 1)]
+        assert [u["emotion"] for u in t.transcript if "emotion" in u] == [40 + 2 * k * j for j in range(1, k + 1)]
     # finished dialogues drop out: one batched call per turn over the live ones
     assert policy.batch_sizes == [4, 3, 2, 1]
 
@@ -129,7 +129,7 @@ def test_update_rule_and_termination(initial, change, max_turns, final, terminat
     t, = run(ScriptedPolicy(lambda c: "Hm."), RuleSimulator(lambda r: change), [scenario("a")],
              initial_emotion=initial, max_turns=max_turns)
     assert (t.final_emotion, t.termination, t.to_record()["policy_turns"]) == (final, termination, n_policy)
-    assert t.turns[-1]["role"] == "user" and t.turns[-1]["emotion"] == final  # last reply appraised
+    assert t.transcript[-1]["role"] == "user" and t.transcript[-1]["emotion"] == final  # last reply appraised
 
 
 # --------------------------------------------------------------------------- think mode
@@ -146,7 +146,7 @@ def test_thought_never_reaches_simulator_or_later_context():
     t, = run(policy, RuleSimulator(change_fn), [scenario("a")], think=True, max_turns=3)
     assert seen_by_simulator == ["How are you?", "", "Okay?"]
     assert not any("SECRET" in json.dumps(conv) for conv in policy.seen)
-    policy_turns = [x for x in t.turns if x["role"] == "assistant"]
+    policy_turns = [x for x in t.transcript if x["role"] == "assistant"]
     assert [x["thought"] for x in policy_turns] == ["SECRET-1", "SECRET-2 no close", "SECRET-3"]
     assert [x["format_ok"] for x in policy_turns] == [True, False, True] and t.format_violations == 1
     assert policy_turns[1]["content"] == "" and policy_turns[1]["format_problem"] == "missing_close_tag"
@@ -182,7 +182,7 @@ def test_simulator_error_ends_dialogue_and_private_fields_never_leak():
     ok_policy_dialogue, = run(ScriptedPolicy(lambda c: "Fine."), RuleSimulator(), [scenario("b")], max_turns=1)
     t, = run(policy, UserSimulator(backend, SimulatorConfig(max_retries=2), seed=0), [scenario("a")], max_turns=3)
     assert t.termination == "error" and backend.calls == 1 + 3
-    assert t.turns[-1]["attempts"] == 4 and t.turns[-1]["content"] is None and t.turns[-1]["error"]
+    assert t.transcript[-1]["attempts"] == 4 and t.transcript[-1]["content"] is None and t.transcript[-1]["error"]
     assert len(policy.seen) == 1 and "PRIVATE" not in json.dumps(policy.seen)
     assert ok_policy_dialogue.termination == "max_turns"
 
@@ -260,14 +260,14 @@ def test_mask_one_tokens_are_exactly_the_policys_turns(smollm2_backend, think):
     by_id = {s.id: s for s in scenarios}
     trajectories = run(smollm2_backend, RuleSimulator(), scenarios, max_turns=2, think=think, sampling=sampling)
     for t in trajectories:
-        policy_turns = [x for x in t.turns if x["role"] == "assistant"]
+        policy_turns = [x for x in t.transcript if x["role"] == "assistant"]
         assert len(t.samples) == len(policy_turns) == 2
         for k, (sample, turn) in enumerate(zip(t.samples, policy_turns)):
             generated = [i for i, m in zip(sample.input_ids, sample.loss_mask) if m]
             assert generated == sample.completion_ids and len(sample.old_logprobs) == len(generated)
             assert tok.decode(generated, skip_special_tokens=True) == turn["raw"]
             # the mask-0 part is exactly the chat template of the visible history before this turn
-            visible = [{"role": x["role"], "content": x["content"]} for x in t.turns[: 2 * k + 1]]
+            visible = [{"role": x["role"], "content": x["content"]} for x in t.transcript[: 2 * k + 1]]
             expected = tok.apply_chat_template(policy_messages(by_id[t.scenario_id], visible, think),
                                                add_generation_prompt=True, tokenize=True, return_dict=False)
             assert sample.context_ids == list(expected)
@@ -289,3 +289,18 @@ def test_same_seed_same_transcripts_with_real_policy(smollm2_backend):
     first, again, other = transcripts(7), transcripts(7), transcripts(8)
     assert first == again
     assert first[1] != other[1]
+
+
+def test_records_hold_the_transcript_and_old_records_still_read():
+    from rlver_lib.evaluation import dialogue_view
+    from rlver_lib.rollout import Trajectory, record_transcript
+
+    transcript = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                  {"role": "user", "content": "ok", "change": 5, "emotion": 45, "label": "B"}]
+    record = Trajectory("a#0", "a", "a", transcript, final_emotion=45, reward=0.45,
+                        termination="max_turns", initial_emotion=40).to_record()
+    assert record["transcript"] == transcript and "turns" not in record and record["policy_turns"] == 1
+    old = {k: v for k, v in record.items() if k != "transcript"} | {"turns": transcript}  # an older run folder
+    assert record_transcript(record) == record_transcript(old) == transcript
+    assert record_transcript({"final_emotion": 3}) == []
+    assert dialogue_view(old).emotions == dialogue_view(record).emotions == (40.0, 45.0)

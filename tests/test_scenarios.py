@@ -381,3 +381,48 @@ def test_similarity_threshold_separates_rewording_from_distinct():
     assert scenario_similarity(base, base) == 1.0
     assert scenario_similarity(base, reworded) > 0.7
     assert max(scenario_similarity(a, b) for a, b in itertools.combinations(shipped, 2)) < 0.6
+
+
+# ------------------------------------------------------------ a run's persona-disjoint split
+
+
+def _with_personas(*personas: str) -> list[Scenario]:
+    """Builtin scenarios given these persona cards (ids made unique and readable)."""
+    base = load_scenarios("builtin:all")
+    return [base[i].model_copy(update={"id": f"s{i}", "persona": p}) for i, p in enumerate(personas)]
+
+
+def test_split_for_run_drops_training_scenarios_whose_persona_is_tested():
+    from rlver_lib.config import ScenarioConfig
+    from rlver_lib.scenarios import split_for_run
+
+    train = _with_personas("Ann, 30.", "Bo, 41.", "Cy, 25.", "  bo,   41. ")  # s1 and s3: one persona
+    test = _with_personas("BO, 41.", "Di, 60.")
+    section = ScenarioConfig(train="a.jsonl", test="b.jsonl")
+    split = split_for_run(train, test, section, seed=0)
+    assert [s.id for s in split.train] == ["s0", "s2"]
+    assert [s.id for s in split.dropped] == ["s1", "s3"]
+    assert [s.persona for s in split.test] == ["BO, 41.", "Di, 60."]
+    limited = split_for_run(train, test, ScenarioConfig(train="a.jsonl", test="b.jsonl",
+                                                        limit_train=1, limit_test=1))
+    assert [s.id for s in limited.train] == ["s0"] and [s.persona for s in limited.test] == ["BO, 41."]
+    assert [s.id for s in limited.dropped] == ["s1", "s3"]  # counted before the limits
+
+
+def test_split_for_run_splits_one_source_by_persona():
+    from rlver_lib.config import ScenarioConfig
+    from rlver_lib.scenarios import split_for_run
+
+    pool = _with_personas("Ann.", "Bo.", "Cy.", "Ann.", "Bo.", "Cy.")
+    unrelated = _with_personas("Zed.")  # the test list is not used when both specs name one source
+    section = ScenarioConfig(train="builtin:all", test="builtin:all")
+    split = split_for_run(pool, unrelated, section, seed=5)
+    # round(3 personas / 3) = 1 persona (both of its scenarios) goes to test, input order kept
+    assert len({s.persona_key for s in split.test}) == 1 and len(split.test) == 2
+    assert sorted(s.id for s in split.train + split.test) == [f"s{i}" for i in range(6)]
+    assert not {s.persona_key for s in split.train} & {s.persona_key for s in split.test}
+    assert split.dropped == [] and "zed." not in {s.persona_key for s in split.test}
+    assert [s.id for s in split.train] == sorted(s.id for s in split.train)
+    assert split_for_run(pool, unrelated, section, seed=5) == split  # seeded
+    with pytest.raises(ValueError, match="two distinct personas"):
+        split_for_run(_with_personas("Ann.", "ann."), [], section)
