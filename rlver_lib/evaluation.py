@@ -74,6 +74,7 @@ from tqdm.auto import tqdm
 
 from rlver_lib.backends import ChatBackend, SamplingParams, derive_seed
 from rlver_lib.io import atomic_write_json, atomic_write_text, iter_jsonl, write_jsonl
+from rlver_lib.rollout import record_transcript
 from rlver_lib.stats import MIN_N, Estimate, bootstrap_ci, cluster_bootstrap_ci, paired_difference
 
 __all__ = [
@@ -133,7 +134,7 @@ def _number(value: Any) -> bool:
 
 
 def _our_view(record: dict[str, Any]) -> DialogueView:
-    turns = record.get("turns") or []
+    turns = record_transcript(record)
     final = float(record["final_emotion"])
     start = record.get("initial_emotion")
     path = [float(start)] if _number(start) else []
@@ -158,7 +159,7 @@ def _our_view(record: dict[str, Any]) -> DialogueView:
 
 
 def _sage_view(record: dict[str, Any]) -> DialogueView:
-    from rlver_lib.scenarios import HIDDEN_INTENTIONS, PERSONALITY_TYPES
+    from rlver_lib.scenarios import INTENTION_BY_ZH, PERSONALITY_BY_ZH, detect_language
 
     history = record.get("history") or []
     final = float(record["emo_point"])
@@ -167,9 +168,9 @@ def _sage_view(record: dict[str, Any]) -> DialogueView:
     if not path or path[-1] != final:
         path.append(final)
     task = str(record.get("task") or UNKNOWN)
-    intention = {h.zh: h.key for h in HIDDEN_INTENTIONS.values()}.get(task, task)
+    intention = INTENTION_BY_ZH.get(task, task)
     character = str(record.get("character") or UNKNOWN)
-    personality = {p.zh: p.key for p in PERSONALITY_TYPES.values()}.get(character, character)
+    personality = PERSONALITY_BY_ZH.get(character, character)
     appraised = sum(m.get("role") == "user" and _number(m.get("emotion-point"))
                     and i > 0 and history[i - 1].get("role") == "assistant" for i, m in enumerate(history))
     return DialogueView(
@@ -178,7 +179,7 @@ def _sage_view(record: dict[str, Any]) -> DialogueView:
         emotions=tuple(path),
         hidden_intention=intention,
         personality=personality,
-        language="zh" if re.search(r"[\u4e00-\u9fff]", task) else "en",
+        language=detect_language(task),
         scenario_id=str(record.get("id") or UNKNOWN),
         n_appraised=appraised,
         last_unappraised=bool(history) and history[-1].get("role") == "assistant",
@@ -582,12 +583,12 @@ def _add_unappraised_reply(policy_backend: ChatBackend, trajectories: list[Any],
     appraised, so the final emotion is the one after the last appraisal."""
     from rlver_lib.rollout import parse_think, policy_messages
 
-    capped = [t for t in trajectories
-              if t.termination == "max_turns" and sum(x["role"] == "assistant" for x in t.turns) == appraised_turns]
+    capped = [t for t in trajectories if t.termination == "max_turns"
+              and sum(x["role"] == "assistant" for x in t.transcript) == appraised_turns]
     count = getattr(policy_backend, "prompt_ids", None)
     convs, keep = [], []
     for t in capped:
-        conv = policy_messages(scenarios[t.scenario_id], _visible_history(t.turns), think)
+        conv = policy_messages(scenarios[t.scenario_id], _visible_history(t.transcript), think)
         if max_context_tokens is not None and count is not None \
                 and len(count(conv)) + sampling.max_new_tokens > max_context_tokens:
             continue  # the unappraised reply cannot change the score; skip it
@@ -600,7 +601,7 @@ def _add_unappraised_reply(policy_backend: ChatBackend, trajectories: list[Any],
         seed=derive_seed(seed, "policy", appraised_turns)))
     for t, g in zip(keep, generations):
         parsed = parse_think(g.text) if think else None
-        t.turns.append({"role": "assistant", "content": parsed.reply if parsed else g.text.strip(),
+        t.transcript.append({"role": "assistant", "content": parsed.reply if parsed else g.text.strip(),
                         "thought": parsed.thought if parsed else "", "format_ok": parsed.ok if parsed else True,
                         "format_problem": parsed.problem if parsed else None, "raw": g.text, "appraised": False})
 

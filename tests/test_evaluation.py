@@ -301,11 +301,11 @@ def test_sage_protocol_appraises_nine_of_ten_replies(tmp_path):
     # ask reaches 100 after 6 replies and tell drops below 10 after 7, as under full
     assert [r["final_emotion"] for r in result.records] == [100, 5, 70]
     capped = result.records[2]
-    assistants = [t for t in capped["turns"] if t["role"] == "assistant"]
-    updates = [t for t in capped["turns"] if t["role"] == "user" and t.get("change") is not None]
+    assistants = [t for t in capped["transcript"] if t["role"] == "assistant"]
+    updates = [t for t in capped["transcript"] if t["role"] == "user" and t.get("change") is not None]
     assert (len(assistants), len(updates)) == (10, 9)
-    assert capped["turns"][-1]["role"] == "assistant" and capped["turns"][-1]["appraised"] is False
-    assert capped["turns"][-1]["content"] == "I see."  # the 10th reply (an even turn: no question)
+    assert capped["transcript"][-1]["role"] == "assistant" and capped["transcript"][-1]["appraised"] is False
+    assert capped["transcript"][-1]["content"] == "I see."  # the 10th reply (an even turn: no question)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["protocol"] == {"name": "sage", "initial_emotion": 40, "max_policy_turns": 10,
                                    "appraised_turns": 9, "repeats": 1}
