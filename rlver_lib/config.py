@@ -172,13 +172,31 @@ class TrainingConfig(_Strict):
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
     scale_rewards: bool = True
-    whiten_advantages: bool = True  # PPO: GAE advantages to zero mean, unit variance per batch
-    loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    whiten_advantages: bool = True  # PPO: GAE advantages to zero mean, unit variance per step (all processes)
+    # token_mean (DAPO / TRL bnpo), seq_mean (GRPO eq. 3), dr_grpo (sum / (samples x max_new_tokens));
+    # Dr. GRPO is scale_rewards: false with loss_aggregation: dr_grpo
+    loss_aggregation: Literal["token_mean", "seq_mean", "dr_grpo"] = "token_mean"
+    weight_decay: float = Field(0.01, ge=0)  # AdamW, LoRA and value head (verl's actor default)
+    # dialogues that ended in a simulator error: left out (drop) or trained on with reward 0
+    error_dialogues: Literal["drop", "zero_reward"] = "drop"
+    # truncated importance sampling when the rollout engine's sampling log-probs differ from
+    # the learner's (vLLM): weight min(exp(old - sampling), is_cap) per token (TRL's defaults)
+    is_correction: bool = True
+    is_cap: float = Field(3.0, gt=0)
     format_penalty: float = Field(0.0, ge=0)
     gradient_checkpointing: bool = False
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     tensorboard: bool = False
+
+    @model_validator(mode="after")
+    def _kl_estimator_is_a_loss(self) -> "TrainingConfig":
+        if self.kl_coef > 0 and self.kl_estimator == "k1":
+            raise ValueError(
+                "training.kl_estimator: k1 cannot be a loss term: its gradient is ∇log π_θ whatever "
+                "the reference, with expectation 0, so kl_coef > 0 would pull nothing towards the "
+                "reference. Use kl_estimator: k3 (GRPO eq. 4) or kl_coef: 0")
+        return self
 
 
 class JudgeConfig(SimulatorConfig):
@@ -321,6 +339,37 @@ class RunConfig(_Strict):
     def run_dir(self) -> Path:
         """``<output_root>/<run_name>``."""
         return Path(self.output_root) / self.run_name
+
+    @model_validator(mode="after")
+    def _trainable(self) -> "RunConfig":
+        if "train" in self.stages:
+            problems = training_problems(self)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return self
+
+
+def training_problems(cfg: RunConfig) -> list[str]:
+    """Settings the learner refuses, each with its reason (empty when none).
+
+    - ``policy.lora.dropout > 0``: old log-probs are scored without dropout and the
+      update runs with it, so the PPO ratio is not 1 at the first mini-batch;
+    - ``policy.top_p < 1``: rollouts sample from the nucleus-truncated distribution
+      while the learner scores the full one, so the ratio is biased.
+
+    Checked for every run with a ``train`` stage and again by the trainer.
+    """
+    problems = []
+    if cfg.policy.lora.dropout > 0:
+        problems.append(
+            f"policy.lora.dropout={cfg.policy.lora.dropout}: the learner scores old log-probs without "
+            "dropout and updates with it, so the PPO ratio would not start at 1; set policy.lora.dropout: 0")
+    if cfg.policy.top_p < 1:
+        problems.append(
+            f"policy.top_p={cfg.policy.top_p}: rollouts would sample from the top-p truncated distribution "
+            "while the learner scores the full one, so the ratio would be biased; set policy.top_p: 1.0 "
+            "for training (evaluation may use any top_p)")
+    return problems
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:

