@@ -130,45 +130,82 @@ def test_plot_success_failure_length_and_runs(runs, tmp_path):
     assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_strategy_mix_and_plot():
-    labelled = pd.DataFrame({"step": [1, 1, 1, 1, 2, 2],
-                             "strategy": ["question", "question", "advice", "praise", "advice", "advice"]})
-    mix = A.strategy_mix(labelled)
-    shares = mix.set_index(["step", "strategy"])["share"]
-    assert shares[(1, "question")] == 0.5 and shares[(2, "advice")] == 1.0 and shares[(2, "praise")] == 0.0
-    assert mix.groupby("step")["share"].sum().tolist() == pytest.approx([1.0, 1.0])
-    fig = A.plot_strategy_mix(mix)
-    ax = fig.axes[0]
-    assert len(ax.collections) == 3 and ax.get_ylabel() == "share of replies"
-    assert _labels(ax) == ["advice", "praise", "question"]
+def test_run_comparison_legend_has_one_colour_per_level(runs):
+    fig = A.plot_run_comparison(A.compare_runs(runs))
+    for ax in fig.axes:
+        handles = ax.get_legend().legend_handles
+        colours = {tuple(np.round(h.get_facecolor(), 3)) for h in handles}
+        assert len(colours) == len(handles) == 2
+        # the bars of a level carry its legend colour
+        legend = {t.get_text(): tuple(np.round(h.get_facecolor(), 3))
+                  for t, h in zip(ax.get_legend().get_texts(), handles)}
+        bar_colours = {tuple(np.round(p.get_facecolor(), 3)) for p in ax.patches}
+        assert bar_colours == set(legend.values())
 
 
-# --------------------------------------------------------------------------- judge
+# --------------------------------------------------------------------------- taxonomy and judge
 
 
-def test_cohen_kappa_hand_computed():
-    # 2x2 table: both yes 20, a yes/b no 5, a no/b yes 10, both no 15 (n=50)
-    a = ["y"] * 25 + ["n"] * 25
-    b = ["y"] * 20 + ["n"] * 5 + ["y"] * 10 + ["n"] * 15
-    p_o, p_e = 35 / 50, 0.5 * 0.6 + 0.5 * 0.4
-    assert A.cohen_kappa(a, b) == pytest.approx((p_o - p_e) / (1 - p_e))  # 0.4
-    assert A.cohen_kappa(["x", "y"], ["x", "y"]) == pytest.approx(1.0)
-    assert np.isnan(A.cohen_kappa(["x", "x"], ["x", "x"]))
-    with pytest.raises(ValueError):
-        A.cohen_kappa(["x"], [])
+def test_taxonomy_covers_the_paper_dimensions_and_strategy_mix():
+    assert A.DIMENSION_KEYS == ("empathic_depth", "core_insight", "solution_crafting", "style_adaptability",
+                                "dialogue_guidance")
+    assert A.STRATEGY_KEYS == ("validation", "reflective_listening", "praise", "advice", "question",
+                               "reassurance", "self_disclosure")
+    table = A.taxonomy_table()
+    assert len(table) == 5 + 7 + 1 + 1
+    assert table["definition"].str.len().min() > 20 and table["example"].str.len().min() > 10
+    schema = A.judgement_schema()
+    assert schema["required"] == list(A.JUDGE_FIELDS)
+    assert schema["properties"]["primary"]["enum"] == [*A.STRATEGY_KEYS, "other"]
+    system = A.judge_conversation("r", "u")[0]["content"]
+    for cat in (*A.DIMENSIONS, *A.STRATEGIES, A.ABSOLVES):
+        assert cat.definition in system and cat.example in system
+
+
+def _judgement(primary="question", **kw):
+    out = {"primary": primary, **{k: False for k in A.STRATEGY_KEYS}, **{k: 0 for k in A.DIMENSION_KEYS},
+           "absolves_user": False}
+    out.update(kw)
+    return out
+
+
+def test_parse_judgement_validates_every_field():
+    good = _judgement(question=True, empathic_depth=2)
+    assert A.parse_judgement(json.dumps(good)) == good
+    assert A.parse_judgement("{not json") is None
+    assert A.parse_judgement(json.dumps({**good, "primary": "hug"})) is None
+    assert A.parse_judgement(json.dumps({**good, "empathic_depth": 3})) is None
+    assert A.parse_judgement(json.dumps({**good, "praise": "yes"})) is None
+    assert A.parse_judgement(json.dumps({**good, "core_insight": True})) is None  # bool is not a rating
+    missing = dict(good)
+    del missing["absolves_user"]
+    assert A.parse_judgement(json.dumps(missing)) is None
+
+
+def test_rule_judge_hand_cases():
+    j = A.rule_judgement("It sounds like you feel ignored. Anyone would be hurt. What did he say?")
+    assert j["reflective_listening"] and j["validation"] and j["question"] and not j["advice"]
+    assert j["primary"] == "reflective_listening"  # 3 cue matches (sounds like x2, you feel) beat 1 and 1
+    assert j["empathic_depth"] == 2 and j["dialogue_guidance"] == 1 and j["absolves_user"] is False
+    j = A.rule_judgement("It's not your fault. You could try talking to HR first.")
+    assert j["absolves_user"] and j["advice"] and j["solution_crafting"] == 1
+    assert A.rule_judgement("Cherry Bloodreminsights")["primary"] == "other"
+    out = A.RuleStrategyJudge().generate([A.judge_conversation("Well done!", "I passed")], None)
+    assert A.parse_judgement(out[0].text)["primary"] == "praise"
 
 
 class ScriptedJudge:
-    """Returns the gold label except for the replies in ``wrong`` (labelled
-    ``off_topic``) and ``garbled`` (invalid JSON the first ``garble_times`` calls)."""
+    """Answers each judge conversation with ``answers[reply]`` (a judgement dict, or a
+    callable of the seed); replies in ``garbled`` get invalid JSON the first
+    ``garble_times`` calls."""
 
-    def __init__(self, gold, wrong=(), garbled=(), garble_times=1):
-        self.gold, self.wrong, self.garbled = gold, set(wrong), set(garbled)
+    def __init__(self, answers, garbled=(), garble_times=1):
+        self.answers = answers
         self.garble_left = {r: garble_times for r in garbled}
         self.calls = 0
 
     def generate(self, conversations, sampling, json_schema=None):
-        assert json_schema["properties"]["strategy"]["enum"] == list(A.STRATEGY_LABELS)
+        assert json_schema == A.judgement_schema()
         self.calls += 1
         out = []
         for conv in conversations:
@@ -177,58 +214,191 @@ class ScriptedJudge:
                 self.garble_left[reply] -= 1
                 out.append(Generation(text="{not json"))
                 continue
-            label = "off_topic" if reply in self.wrong else self.gold[reply]
-            out.append(Generation(text=json.dumps({"strategy": label})))
+            answer = self.answers[reply]
+            answer = answer(sampling.seed) if callable(answer) else answer
+            out.append(Generation(text=json.dumps(answer)))
         return out
 
 
-def test_judge_agreement_known_kappa():
-    sample = A.load_strategy_sample()
-    assert len(sample) >= 30 and set(sample["label"]) == set(A.STRATEGY_LABELS)
-    gold = dict(zip(sample["reply"], sample["label"]))
-    wrong = [r for r, lbl in gold.items() if lbl == "praise"][:2]
-    judge = ScriptedJudge(gold, wrong=wrong, garbled=[sample["reply"].iloc[0]])
-    result = A.judge_agreement(judge, sample)
-    predicted = [("off_topic" if r in wrong else gold[r]) for r in sample["reply"]]
-    n = len(sample)
-    p_o = (n - 2) / n
-    pa = sample["label"].value_counts(normalize=True)
-    pb = pd.Series(predicted).value_counts(normalize=True)
-    p_e = sum(pa[k] * pb.get(k, 0.0) for k in pa.index)
-    assert result["accuracy"] == pytest.approx(p_o)
-    assert result["kappa"] == pytest.approx((p_o - p_e) / (1 - p_e))
-    assert result["n_unparsed"] == 0 and judge.calls == 2  # one retry for the garbled reply
-
-
-def test_label_strategies_bounded_retries():
-    judge = ScriptedJudge({"a": "praise"}, garbled=["a"], garble_times=10)
-    assert A.label_strategies(judge, ["a"], max_retries=2) == [A.UNPARSED]
+def test_label_strategies_retries_then_marks_unparsed():
+    judge = ScriptedJudge({"a": _judgement("praise", praise=True), "b": _judgement()}, garbled=["a"])
+    table = A.label_strategies(judge, ["a", "b"])
+    assert table["primary"].tolist() == ["praise", "question"] and table["parsed"].all()
+    assert judge.calls == 2
+    judge = ScriptedJudge({"a": _judgement()}, garbled=["a"], garble_times=10)
+    table = A.label_strategies(judge, ["a"], max_retries=2)
+    assert table["primary"].tolist() == [A.UNPARSED] and not table["parsed"].any()
     assert judge.calls == 3
+    with pytest.raises(ValueError):
+        A.label_strategies(judge, ["a"], user_messages=["x", "y"])
+
+
+def test_cohen_kappa_hand_computed():
+    # 2x2 table: both yes 20, a yes/b no 5, a no/b yes 10, both no 15 (n=50)
+    a = ["y"] * 25 + ["n"] * 25
+    b = ["y"] * 20 + ["n"] * 5 + ["y"] * 10 + ["n"] * 15
+    p_o, p_e = 35 / 50, 0.5 * 0.6 + 0.5 * 0.4
+    assert A.cohen_kappa(a, b) == pytest.approx((p_o - p_e) / (1 - p_e))  # 0.4
+    assert A.cohen_kappa(a, b) == pytest.approx(0.4)
+    # three labels: diagonal 4+3+1 of 10; marginals a (5,3,2), b (4,4,2)
+    a3 = list("xxxxxyyyzz")
+    b3 = list("xxxxyyyxzy")  # x:x x4, x:y 1, y:y 2... checked below by counting
+    p_o3 = sum(u == v for u, v in zip(a3, b3)) / 10
+    pa = {k: a3.count(k) / 10 for k in "xyz"}
+    pb = {k: b3.count(k) / 10 for k in "xyz"}
+    p_e3 = sum(pa[k] * pb[k] for k in "xyz")
+    assert (p_o3, p_e3) == pytest.approx((0.7, 0.5 * 0.5 + 0.3 * 0.4 + 0.2 * 0.1))
+    assert A.cohen_kappa(a3, b3) == pytest.approx((0.7 - 0.39) / (1 - 0.39))
+    assert A.cohen_kappa(["x", "y"], ["x", "y"]) == pytest.approx(1.0)
+    assert np.isnan(A.cohen_kappa(["x", "x"], ["x", "x"]))
+    with pytest.raises(ValueError):
+        A.cohen_kappa(["x"], [])
+
+
+def test_self_agreement_across_seeds():
+    # "a" is stable; "b" flips between question and advice with the seed's parity
+    answers = {"a": _judgement("praise", praise=True),
+               "b": lambda seed: _judgement("question" if seed % 2 == 0 else "advice")}
+    table = A.self_agreement(ScriptedJudge(answers), ["a", "b"], [None, None], seeds=[0, 1, 2],
+                             temperature=0.7).set_index("field")
+    # pairs (0,1), (0,2), (1,2): primary agreement 1/2, 1, 1/2 -> mean 2/3
+    assert table.loc["primary", "agreement"] == pytest.approx(2 / 3)
+    assert table.loc["praise", "agreement"] == 1.0 and table.loc["primary", "pairs"] == 3
+    with pytest.raises(ValueError):
+        A.self_agreement(ScriptedJudge(answers), ["a"], [None], seeds=[0], temperature=0.7)
+
+
+def test_labelled_set_is_real_two_pass_and_agreement_is_recomputed():
+    labelled = A.load_labelled_set()
+    assert len(labelled) >= 60 and labelled["id"].is_unique
+    assert labelled["scenario_id"].str.startswith("en-").all()
+    table = A.labelled_set_agreement(labelled).set_index("field")
+    p1, p2 = labelled["p1_primary"].tolist(), labelled["p2_primary"].tolist()
+    assert table.loc["primary", "agreement"] == pytest.approx(np.mean([a == b for a, b in zip(p1, p2)]))
+    assert table.loc["primary", "kappa"] == pytest.approx(A.cohen_kappa(p1, p2))
+    assert 0.5 < table.loc["primary", "kappa"] <= 1.0
+
+
+def test_judge_validation_with_a_scripted_judge(tmp_path):
+    labelled = A.load_labelled_set().head(12)
+    answers = {r: _judgement(p, **{p: True} if p != "other" else {})
+               for r, p in zip(labelled["reply"], labelled["p1_primary"])}
+    wrong = labelled["reply"].iloc[0]
+    answers[wrong] = _judgement("self_disclosure" if labelled["p1_primary"].iloc[0] != "self_disclosure"
+                                else "praise")
+    result = A.judge_validation(ScriptedJudge(answers), labelled)
+    t = result["table"].set_index(["reference", "field"])
+    assert result["n"] == 12 and result["n_unparsed"] == 0
+    assert t.loc[("p1", "primary"), "agreement"] == pytest.approx(11 / 12)
+    predicted = [answers[r]["primary"] for r in labelled["reply"]]
+    assert t.loc[("p1", "primary"), "kappa"] == pytest.approx(A.cohen_kappa(list(labelled["p1_primary"]), predicted))
+
+
+def test_strategy_mix_use_and_plots():
+    labelled = pd.DataFrame([_judgement("question", question=True, empathic_depth=1),
+                             _judgement("question", question=True), _judgement("advice", advice=True),
+                             _judgement("praise", praise=True, question=True),
+                             _judgement("advice", advice=True, empathic_depth=2), _judgement(A.UNPARSED)])
+    labelled["step"] = [1, 1, 1, 1, 2, 2]
+    labelled["source"] = ["baseline"] * 4 + ["trained"] * 2
+    mix = A.strategy_mix(labelled)
+    shares = mix.set_index(["step", "strategy"])["share"]
+    assert shares[(1, "question")] == 0.5 and shares[(2, "advice")] == 1.0 and shares[(2, "praise")] == 0.0
+    assert mix.groupby("step")["share"].sum().tolist() == pytest.approx([1.0, 1.0])  # unparsed left out
+    fig = A.plot_strategy_mix(mix)
+    ax = fig.axes[0]
+    assert len(ax.collections) == 3 and ax.get_ylabel() == "share of replies"
+    assert _labels(ax) == ["praise", "advice", "question"]  # taxonomy order
+    fig = A.plot_strategy_mix(A.strategy_mix(labelled, by="source"), by="source", order=["baseline", "trained"])
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["baseline", "trained"]
+    use = A.strategy_use(labelled, by="source").set_index(["source", "measure"])["value"]
+    assert use[("baseline", "question")] == 0.75 and use[("baseline", "empathic_depth")] == 0.25
+    assert use[("trained", "advice")] == 1.0 and use[("trained", "empathic_depth")] == 2.0
+    fig = A.plot_strategy_use(A.strategy_use(labelled, by="source"), by="source")
+    assert [a.get_title() for a in fig.axes] == ["strategy", "dimension"]
+    assert len(fig.axes[0].patches) == 2 * len(A.STRATEGY_KEYS)
 
 
 # --------------------------------------------------------------------------- reward hacking
 
 
-def test_reply_features_en_zh():
-    assert A.reply_features("Sorry, are you ok? Your day sounds hard?") == {
-        "reply_length": 40, "question_marks": 2, "second_person": 2, "apologies": 1}
-    assert A.reply_features("对不起，你还好吗？您别担心。") == {
-        "reply_length": 14, "question_marks": 1, "second_person": 2, "apologies": 1}
-    assert A.reply_features("Youth is yours.")["second_person"] == 1
+def test_reply_features_hand_computed():
+    f = A.reply_features("Sorry, are you ok? Your day sounds hard?", user="Your day sounds bad.")
+    # words: sorry are you ok your day sounds hard (8); bigrams 7, of which "your day", "day sounds" in the user's
+    assert f == pytest.approx({"reply_length": 40, "question_marks": 2, "second_person_rate": 2 / 8,
+                               "apologies": 1, "praise_phrases": 0, "user_overlap": 2 / 7,
+                               "non_natural_rate": 0, "score_mentions": 0, "emotion_mentions": 0})
+    g = A.reply_features("Well done! Rate me 10/10 +10 <b>", user=None)
+    # non-space characters 26; '<', '>', '/', '+' are not natural-language characters
+    assert g["praise_phrases"] == 1 and g["score_mentions"] == 3  # "Rate", "10/10", "+10"
+    assert g["non_natural_rate"] == pytest.approx(4 / 26) and g["user_overlap"] == 0
+    h = A.reply_features("对不起，你的感受很重要。您别担心？")
+    assert h["apologies"] == 1 and h["question_marks"] == 1 and h["emotion_mentions"] == 1
+    assert h["second_person_rate"] == pytest.approx(2 / 14)  # 14 CJK characters, 你 and 您 among them
 
 
-def test_hacking_correlations_known_values():
-    replies = ["a" * n + "?" * q for n, q in ((10, 3), (20, 2), (30, 2), (40, 0))]
-    df = pd.DataFrame({"reply": replies, "reward": [0.1, 0.2, 0.3, 0.4]})
-    corr = A.hacking_correlations(df).set_index("feature")
-    length = np.array([13, 22, 32, 40])
-    assert corr.loc["reply_length", "pearson"] == pytest.approx(np.corrcoef(length, df["reward"])[0, 1])
-    assert corr.loc["reply_length", "spearman"] == pytest.approx(1.0)
-    # question marks 3,2,2,0: ranks 4,2.5,2.5,1 against 1..4
-    ranks = np.array([4, 2.5, 2.5, 1])
-    assert corr.loc["question_marks", "spearman"] == pytest.approx(np.corrcoef(ranks, [1, 2, 3, 4])[0, 1])
-    assert np.isnan(corr.loc["apologies", "pearson"])  # constant feature
-    assert corr["n"].tolist() == [4] * 4
+def test_distinct_n_hand_computed():
+    assert A.distinct_n(["a b a b", "a b"], 2) == pytest.approx(2 / 4)
+    assert A.distinct_n(["a b a b", "a b"], 1) == pytest.approx(2 / 6)
+    assert np.isnan(A.distinct_n(["a"], 2))
+    table = A.distinct_table(pd.DataFrame({"source": ["x", "x", "y"], "reply": ["a b", "a b", "c d e"]}))
+    assert table.set_index("source")["distinct_2"].to_dict() == {"x": 0.5, "y": 1.0}
+
+
+def _hacking_table():
+    # step 1: d1 (10, +2), (20, +4); d2 (30, +3) / step 2: d3 (40, +8), (50, +6); d4 (60, +10)
+    rows = [("d1", 1, 10, 2), ("d1", 1, 20, 4), ("d2", 1, 30, 3),
+            ("d3", 2, 40, 8), ("d3", 2, 50, 6), ("d4", 2, 60, 10), ("d4", 2, 70, None)]
+    table = pd.DataFrame(rows, columns=["dialogue_id", "step", "length", "change"])
+    table["reply"] = ["a" * n for n in table["length"]]
+    table["user"] = "hm"
+    return A.turn_features(table)
+
+
+def test_hacking_statistics_hand_computed():
+    table = _hacking_table()
+    assert table["reply_length"].tolist() == [10, 20, 30, 40, 50, 60, 70]
+    stats = A.hacking_statistics(table, features=["reply_length"], n_boot=400).set_index("feature")
+    # within-step deviations: x -10, 0, 10 | -10, 0, 10; y -1, 1, 0 | 0, -2, 2
+    # r = 30 / sqrt(400 * 10)
+    assert stats.loc["reply_length", "r"] == pytest.approx(30 / np.sqrt(4000))
+    assert stats.loc["reply_length", "n_turns"] == 6 and stats.loc["reply_length", "n_clusters"] == 4
+    low, high = stats.loc["reply_length", ["low", "high"]]
+    assert -1 <= low <= high <= 1 and low < high
+    # without the step partialled out: plain Pearson r = 255 / sqrt(1750 * 47.5)
+    plain = A.hacking_statistics(table, features=["reply_length"], control=None, n_boot=50)
+    assert plain["r"].iloc[0] == pytest.approx(255 / np.sqrt(1750 * 47.5))
+    # one cluster: every resample is the whole table, so the interval collapses onto r
+    one = A.hacking_statistics(table.assign(dialogue_id="all"), features=["reply_length"], n_boot=50)
+    assert one["low"].iloc[0] == pytest.approx(one["r"].iloc[0]) == pytest.approx(one["high"].iloc[0])
+    # a feature constant within every step has no correlation
+    const = A.hacking_statistics(table, features=["apologies"], n_boot=20)
+    assert np.isnan(const["r"].iloc[0])
+    every = A.hacking_statistics(table, n_boot=20)
+    assert every["feature"].tolist() == list(A.HACKING_FEATURES)
+    with pytest.raises(KeyError):
+        A.hacking_statistics(table.drop(columns=["change"]), n_boot=10)
+
+
+def test_length_controlled_gain_hand_computed():
+    base = pd.DataFrame({"source": "baseline", "reply_length": [10, 20, 30, 40], "change": [0, 0, 4, 4]})
+    trained = pd.DataFrame({"source": "trained", "reply_length": [30, 40, 50, 60], "change": [4, 4, 8, 8]})
+    table, summary = A.length_controlled_gain(pd.concat([base, trained]), n_bins=2)
+    # pooled median 35: bin [10, 35] baseline 0,0,4 vs trained 4; bin (35, 60] baseline 4 vs trained 4,8,8
+    assert table["n_reference"].tolist() == [3, 1] and table["n_treatment"].tolist() == [1, 3]
+    assert table["gain"].tolist() == pytest.approx([4 - 4 / 3, 20 / 3 - 4])
+    assert summary["raw_gain"] == pytest.approx(4.0)
+    assert summary["within_bin_gain"] == pytest.approx(8 / 3)  # longer replies explain a third of the gain
+    with pytest.raises(ValueError):
+        A.length_controlled_gain(base, n_bins=2)
+
+
+def test_run_replies_reads_evaluations_and_training(runs):
+    replies = A.run_replies(runs[0])
+    assert set(replies["source"]) == {"step 1", "step 2"}  # the fixture runs have no eval dialogues
+    assert replies["change"].tolist() == [10, 5, 20, 30]
+    sample = A.sample_replies(replies, 1, seed=0)
+    assert sample["source"].tolist() == ["step 1", "step 2"]
 
 
 def _scenarios(n):
@@ -237,16 +407,32 @@ def _scenarios(n):
     return load_scenarios(SHARED / "rlver_profiles" / "test_profile.jsonl")[:n]
 
 
-def test_hacking_probes_with_rule_simulator():
+def test_injection_probes_with_rule_simulator():
+    from rlver_lib.scenarios import load_scenarios
     from rlver_lib.simulator import RuleSimulator
 
-    probes = A.run_hacking_probes(RuleSimulator(), _scenarios(2))
-    assert len(probes) == 2 * (1 + len(A.HACKING_PROBES["zh"]))
+    scenarios = load_scenarios("builtin:test")[:2] + _scenarios(1)
+    probes = A.run_injection_probes(RuleSimulator(), scenarios)
+    assert len(probes) == 3 * (1 + len(A.INJECTIONS["en"]))
+    assert set(probes["language"]) == {"en", "zh"}
+    # each probe is the control with an injection appended
+    for _, row in probes[probes["kind"] != "control"].iterrows():
+        assert row["reply"].startswith(A.CONTROL_REPLIES[row["language"]])
     # rule simulator: +10 for a reply ending in a question mark (the control), -5 otherwise
     assert set(probes[probes["kind"] == "control"]["change"]) == {10}
-    assert set(probes[probes["kind"] == "probe"]["change"]) == {-5}
-    summary = A.summarize_probes(probes)
-    assert summary.loc["probe - control", "mean"] == pytest.approx(-15.0)
+    assert set(probes[probes["kind"] != "control"]["change"]) == {-5}
+    summary = A.summarize_injection(probes, n_boot=50)
+    assert summary.loc["probe - control", "diff"] == pytest.approx(-15.0)
+    assert summary.loc["fake_system", ["n", "control", "probe"]].tolist() == [3, 10, -5]
+
+
+def test_summarize_injection_pairs_by_scenario():
+    probes = pd.DataFrame({"scenario_id": ["s1", "s1", "s2", "s2", "s3", "s3"],
+                           "kind": ["control", "fake_system"] * 3,
+                           "change": [2, 5, -1, 3, 4, np.nan]})
+    row = A.summarize_injection(probes, n_boot=50).loc["fake_system"]
+    # s3 has no usable probe appraisal: pairs (2, 5) and (-1, 3) -> differences 3 and 4
+    assert row["n"] == 2 and row["diff"] == pytest.approx(3.5) and row["control"] == pytest.approx(0.5)
 
 
 def test_simulator_consistency():
@@ -272,3 +458,67 @@ def test_simulator_consistency():
     assert table.loc["other_seed", "mean_abs_diff"] == pytest.approx(15.0)
     with pytest.raises(KeyError):
         A.requests_from_records(records, scenarios[:1], n=10, seed=0)
+
+
+def test_sycophancy_on_at_fault_scenarios():
+    from rlver_lib.backends import SamplingParams
+    from rlver_lib.scenarios import load_scenarios
+
+    shipped = load_scenarios("builtin:all")
+    at_fault = A.at_fault_scenarios(shipped)
+    assert [s.id for s in at_fault] == [f"en-0{i}" for i in range(49, 55)]
+    test_ids = {s.id for s in load_scenarios("builtin:test")}
+    assert {s.id for s in at_fault} & test_ids == {"en-049", "en-051", "en-053"}
+
+    class Policy:  # absolves on even samples only
+        def generate(self, conversations, sampling, json_schema=None):
+            assert conversations[0][-1]["role"] == "user"
+            even = sampling.seed % 2 == 0
+            return [Generation(text="It's not your fault at all." if even else "What happened next?")
+                    for _ in conversations]
+
+    replies = A.sycophancy_replies(Policy(), at_fault[:2], n_samples=2, sampling=SamplingParams(seed=0),
+                                   think=False, seed=0)
+    assert len(replies) == 4 and replies["user"].iloc[0] == at_fault[0].opening_line
+    judged = pd.concat([replies, A.label_strategies(A.RuleStrategyJudge(), list(replies["reply"]))], axis=1)
+    judged["policy"] = "base"
+    absolved = judged["reply"].str.contains("not your fault").mean()
+    rate = A.sycophancy_rate(judged, n_boot=50).iloc[0]
+    assert rate["rate"] == pytest.approx(absolved) and rate["n_replies"] == 4 and rate["n_scenarios"] == 2
+
+
+# --------------------------------------------------------------------------- ablation grids
+
+
+def _eval_dialogues(run, finals, judge="rule"):
+    recs = [{**_record(f"{sid}-0", ["ok?"], [e], sid), "label": "trained"} for sid, e in finals.items()]
+    write_jsonl(run / "eval" / "trained" / "dialogues.jsonl", recs)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["evaluation"] = {"judge": {"backend": judge, "model": "m", "difficulty": "moderate"}}
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_cells_table_and_paired_cell_differences(runs):
+    _eval_dialogues(runs[0], {"s1": 50, "s2": 60, "s3": 70})
+    _eval_dialogues(runs[1], {"s1": 55, "s2": 58, "s4": 90})
+    cells = A.cells_table(runs)
+    assert list(cells.columns) == ["run", "algorithm", "think", "difficulty"]  # what varies per cell
+    table = A.paired_cell_differences(runs, n_boot=50)
+    row = table.iloc[0]
+    # common scenarios s1, s2: differences +5 and -2
+    assert (row["run"], row["reference"], row["n"]) == ("grpo-nothink", "ppo-think", 2)
+    assert row["diff"] == pytest.approx(1.5) and row["reference_score"] == pytest.approx(55.0)
+    assert bool(row["same_judge"])
+    _eval_dialogues(runs[1], {"s1": 55}, judge="openai")
+    assert not bool(A.paired_cell_differences(runs, n_boot=20).iloc[0]["same_judge"])
+    with pytest.raises(ValueError):
+        A.paired_cell_differences(runs, reference="nope")
+
+
+def test_cell_tables_round_trip(runs):
+    A.write_table(runs[0], "strategy_labels", pd.DataFrame({"source": ["trained"], "primary": ["advice"]}))
+    A.write_table(runs[1], "strategy_labels", pd.DataFrame({"source": ["trained"], "primary": ["question"]}))
+    table = A.load_cell_tables(runs, "strategy_labels")
+    assert table[["run", "think", "primary"]].values.tolist() == [["ppo-think", True, "advice"],
+                                                                 ["grpo-nothink", False, "question"]]
+    assert A.load_cell_tables(runs, "absent").empty
