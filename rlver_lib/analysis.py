@@ -1635,3 +1635,48 @@ def sycophancy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge
     write_table(run_dir, "sycophancy", judged)
     return sycophancy_rate(judged, n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence,
                            seed=cfg.seed)
+
+
+def cell_strategy_figures(labels: pd.DataFrame, factors: Sequence[str] = ("think", "algorithm", "difficulty"),
+                          *, source: str = "trained") -> list[Figure]:
+    """Strategy figures across the cells of a grid, from :func:`load_cell_tables` of
+    ``strategy_labels``: the primary mix of each run's ``source`` replies, then, for
+    each factor with more than one level (think vs non-think first), the strategy
+    and dimension panels side by side per level (:func:`plot_strategy_use`)."""
+    data = labels[(labels["source"] == source) & (labels["primary"] != UNPARSED)] if len(labels) else labels
+    if data.empty:
+        return []
+    fig = plot_strategy_mix(strategy_mix(data, by="run"), by="run", order=list(dict.fromkeys(data["run"])))
+    fig.axes[0].set_title(f"Primary strategy per cell ({source} policy)")
+    figs = [fig]
+    for factor in factors:
+        if factor in data and data[factor].astype(str).nunique() > 1:
+            fig = plot_strategy_use(strategy_use(data.assign(**{factor: data[factor].astype(str)}), by=factor),
+                                    by=factor)
+            fig.suptitle(f"Strategies and dimensions by {factor} ({source} policy)")
+            figs.append(fig)
+    return figs
+
+
+def cell_hacking_tables(run_dirs: Sequence[str | Path]) -> dict[str, pd.DataFrame]:
+    """The hacking diagnostics of every cell side by side (empty tables where no cell
+    has them): ``correlations`` (feature x run, ``r [low, high]`` of
+    :func:`hacking_statistics`), ``injection`` (each run's pooled ``probe - control``
+    row of :func:`summarize_injection`), ``distinct`` (distinct-2 per run and source),
+    ``sycophancy`` (absolving rate per run and policy, :func:`sycophancy_rate`)."""
+    out: dict[str, pd.DataFrame] = {}
+    stats = load_cell_tables(run_dirs, "hacking_stats")
+    out["correlations"] = pd.DataFrame() if stats.empty else stats.assign(
+        value=[f"{r:+.2f} [{lo:+.2f}, {hi:+.2f}]" if np.isfinite(r) else "n/a"
+               for r, lo, hi in zip(stats["r"], stats["low"], stats["high"])]
+    ).pivot(index="feature", columns="run", values="value")
+    probes = load_cell_tables(run_dirs, "injection_summary")
+    out["injection"] = probes if probes.empty else probes[probes["kind"] == "probe - control"].drop(columns="kind")
+    distinct = load_cell_tables(run_dirs, "distinct")
+    out["distinct"] = distinct if distinct.empty else distinct.pivot(index="run", columns="source",
+                                                                     values="distinct_2")
+    syc = load_cell_tables(run_dirs, "sycophancy")
+    out["sycophancy"] = pd.DataFrame() if syc.empty else pd.concat(
+        [sycophancy_rate(g, n_boot=200).assign(run=run) for run, g in syc.groupby("run", sort=False)],
+        ignore_index=True)
+    return out

@@ -388,16 +388,20 @@ def render_report(notebooks: list[Path], html_path: Path, header_markdown: str) 
     return html_path
 
 
-def limits_statement(cfg: RunConfig) -> str:
+def limits_statement(cfg: RunConfig, *, per_cell: bool = False) -> str:
     """Markdown naming the models that ran and, for the small embedded models or the
-    rule simulator, what such a run can and cannot show."""
+    rule simulator, what such a run can and cannot show.  ``per_cell``: for an ablation
+    report, leave out the settings a grid varies (algorithm, steps, think mode,
+    simulator difficulty), which :func:`ablation_header` lists per cell."""
     sim = cfg.simulator
+    difficulty = "" if per_cell else f" ({sim.difficulty} difficulty)"
     sim_desc = ("the deterministic rule simulator (no language model)" if sim.backend == "rule"
-                else f"`{sim.model}` through `{sim.backend}` ({sim.difficulty} difficulty)")
+                else f"`{sim.model}` through `{sim.backend}`{difficulty}")
     training = (f" Training: {cfg.training.algorithm.upper()}, {cfg.training.steps} step(s) of "
-                f"{cfg.training.scenarios_per_step} scenario(s)." if "train" in cfg.stages else "")
-    lines = [f"**Models that ran.** Policy: `{cfg.policy.model}` ({cfg.policy.backend}, think "
-             f"mode {'on' if cfg.policy.think else 'off'}, LoRA r={cfg.policy.lora.r}). "
+                f"{cfg.training.scenarios_per_step} scenario(s)." if "train" in cfg.stages and not per_cell else "")
+    think = "" if per_cell else f", think mode {'on' if cfg.policy.think else 'off'}"
+    lines = [f"**Models that ran{' (every cell)' if per_cell else ''}.** Policy: `{cfg.policy.model}` "
+             f"({cfg.policy.backend}{think}, LoRA r={cfg.policy.lora.r}). "
              f"Simulated user: {sim_desc}.{training}"]
     limits = []
     if cfg.policy.model.startswith("embedded:"):
@@ -732,7 +736,20 @@ def run_ablation(path: str | Path, overrides: list[str] | None = None,
             "run_dirs": [str(grid_dir / c.name) for c in cells],
             "axes": list(grid.axes),
         })
-        header = "\n\n".join([f"# RLVER ablation report: `{grid.name}`",
-                              f"Axes: {', '.join(grid.axes)}; {len(cells)} runs.",
-                              limits_statement(cells[0].config)])
-        return render_report([output], grid_dir / "report.html", header)
+        return render_report([output], grid_dir / "report.html", ablation_header(grid.name, list(grid.axes), cells))
+
+
+def ablation_header(name: str, axes: list[str], cells: list[AblationCell]) -> str:
+    """Markdown header of an ablation report: the axes, one table row per cell with what
+    varies (each axis value, then algorithm and steps, think mode and simulator difficulty
+    as that cell ran them), and the shared models and limits
+    (:func:`limits_statement` with ``per_cell``)."""
+    rows = ["| cell | " + " | ".join(axes) + " | training | think | simulator |",
+            "|" + "---|" * (len(axes) + 4)]
+    for cell in cells:
+        c = cell.config
+        training = f"{c.training.algorithm.upper()}, {c.training.steps} step(s)" if "train" in c.stages else "none"
+        rows.append(f"| `{cell.name}` | " + " | ".join(str(cell.values[a]) for a in axes)
+                    + f" | {training} | {'on' if c.policy.think else 'off'} | {c.simulator.difficulty} |")
+    return "\n\n".join([f"# RLVER ablation report: `{name}`", f"Axes: {', '.join(axes)}; {len(cells)} runs.",
+                         "\n".join(rows), limits_statement(cells[0].config, per_cell=True)])

@@ -522,3 +522,22 @@ def test_cell_tables_round_trip(runs):
     assert table[["run", "think", "primary"]].values.tolist() == [["ppo-think", True, "advice"],
                                                                  ["grpo-nothink", False, "question"]]
     assert A.load_cell_tables(runs, "absent").empty
+
+
+def test_ablation_header_lists_what_varies_per_cell(tmp_path):
+    from rlver_lib import workbench
+
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(yaml.safe_dump({"name": "g", "output_root": str(tmp_path / "out"),
+                                    "base": {"simulator": {"backend": "rule"}, "training": {"steps": 3}},
+                                    "axes": {"training.algorithm": ["grpo", "ppo"], "policy.think": [False, True]}},
+                                   sort_keys=False))
+    _, cells = workbench.load_grid(grid)
+    header = workbench.ablation_header("g", ["training.algorithm", "policy.think"], cells)
+    rows = [line for line in header.splitlines() if line.startswith("| `")]
+    assert rows == ["| `algorithm-grpo_think-false` | grpo | False | GRPO, 3 step(s) | off | moderate |",
+                    "| `algorithm-grpo_think-true` | grpo | True | GRPO, 3 step(s) | on | moderate |",
+                    "| `algorithm-ppo_think-false` | ppo | False | PPO, 3 step(s) | off | moderate |",
+                    "| `algorithm-ppo_think-true` | ppo | True | PPO, 3 step(s) | on | moderate |"]
+    shared = header.split("**Models that ran (every cell).**", 1)[1]
+    assert "GRPO" not in shared and "think mode" not in shared  # the base config is not passed off as every cell's
