@@ -99,6 +99,17 @@ PAPER_SHARED = {
     "training.gradient_checkpointing": True, "training.checkpoint_every": 25, "training.keep_checkpoints": 3,
     "evaluation.initial_emotion": 40, "evaluation.max_turns": 10, "evaluation.math_retention": True,
 }
+PAPER_SHARED.update({  # added with the analysis stage: a named strategy judge, capability retention
+    "analysis.judge.backend": "openai", "analysis.judge.base_url": "http://localhost:8000/v1",
+    "analysis.judge.model": "judge", "analysis.judge.api_key_env": "OPENAI_API_KEY",
+    "analysis.judge.temperature": 0.0, "analysis.judge.max_new_tokens": 256, "analysis.judge.max_retries": 3,
+    "analysis.judge.timeout_s": 180, "analysis.judge.concurrency": 64, "analysis.judge_sample": 64,
+    "analysis.judge_seeds": 3, "analysis.self_agreement_sample": 32, "analysis.consistency_sample": 32,
+    "analysis.sycophancy_samples": 4, "capability.humaneval_n": 164, "capability.humaneval_max_new_tokens": 768,
+    "capability.math_n": 42, "capability.math_max_new_tokens": 512, "capability.lm_eval.enabled": True,
+    "capability.lm_eval.tasks": ["gsm8k", "minerva_math500", "humaneval_instruct"], "capability.lm_eval.limit": None,
+    "capability.lm_eval.batch_size": "auto", "capability.lm_eval.apply_chat_template": True,
+})
 PAPER_VARIANTS = {  # run_name: (training.algorithm, group_size, policy.think, max_new_tokens, difficulty)
     "paper-grpo-nothink-hard": ("grpo", 4, False, 512, "hard"),
     "paper-grpo-nothink-moderate": ("grpo", 4, False, 512, "moderate"),
