@@ -174,7 +174,7 @@ def test_llama_server_context_overflow_is_backend_error(llama_backend):
 
 def test_openai_backend_against_real_server(openai_server):
     conversations = [CONVERSATIONS[0], CONVERSATIONS[1], CONVERSATIONS[0], CONVERSATIONS[1]]
-    sampling = SamplingParams(temperature=0, max_new_tokens=40, seed=0)
+    sampling = SamplingParams(temperature=0, max_new_tokens=120, seed=0)  # room to close the object
     with OpenAIBackend(openai_server, "smollm2", timeout_s=120, max_retries=1, concurrency=4) as client:
         gens = client.generate(conversations, sampling, json_schema=APPRAISAL_SCHEMA)
         for gen in gens:
