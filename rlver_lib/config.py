@@ -234,9 +234,6 @@ class EvaluationConfig(_Strict):
     repeats: int = Field(1, ge=1)
     bootstrap_samples: int = Field(1000, ge=10)
     confidence: float = Field(0.95, gt=0, lt=1)
-    math_retention: bool = True
-    math_n: int | None = Field(None, ge=1)
-    math_max_new_tokens: int = Field(64, ge=1)
 
     @model_validator(mode="after")
     def _sage_settings(self) -> "EvaluationConfig":

@@ -74,7 +74,7 @@ def test_quickstart_stays_within_its_simulator_budget():
 
 # Today's eight paper recipes, as their 82-line files spelled them out before they were
 # composed from params/paper/base.yaml (values copied once from those files; the dead
-# key rollout.batch_size removed). Every key a recipe sets is here, nothing more.
+# keys rollout.batch_size and evaluation.math_* removed). Every key a recipe sets is here, nothing more.
 PAPER_SHARED = {
     "seed": 0, "output_root": "outputs",
     "stages": ["scenarios", "baseline", "train", "evaluate", "analysis"],
@@ -97,7 +97,7 @@ PAPER_SHARED = {
     "training.vf_coef": 0.5, "training.entropy_coef": 0.001, "training.kl_coef": 0.0,
     "training.gamma": 1.0, "training.lam": 1.0, "training.format_penalty": 0.0,
     "training.gradient_checkpointing": True, "training.checkpoint_every": 25, "training.keep_checkpoints": 3,
-    "evaluation.initial_emotion": 40, "evaluation.max_turns": 10, "evaluation.math_retention": True,
+    "evaluation.initial_emotion": 40, "evaluation.max_turns": 10,
 }
 PAPER_SHARED.update({  # added with the analysis stage: a named strategy judge, capability retention
     "analysis.judge.backend": "openai", "analysis.judge.base_url": "http://localhost:8000/v1",
@@ -109,6 +109,16 @@ PAPER_SHARED.update({  # added with the analysis stage: a named strategy judge, 
     "capability.math_n": 42, "capability.math_max_new_tokens": 512, "capability.lm_eval.enabled": True,
     "capability.lm_eval.tasks": ["gsm8k", "minerva_math500", "humaneval_instruct"], "capability.lm_eval.limit": None,
     "capability.lm_eval.batch_size": "auto", "capability.lm_eval.apply_chat_template": True,
+})
+PAPER_SHARED.update({  # later fixes: RLVER's released training simulators start at 30; field caps
+    # for strong judges; the benchmark's own judge, independent of the training simulator
+    "simulator.initial_emotion": 30, "simulator.appraisal_chars": 1200, "simulator.message_chars": 1200,
+    "evaluation.protocol": "full", "evaluation.judge.backend": "openai",
+    "evaluation.judge.base_url": "http://localhost:8000/v1", "evaluation.judge.model": "simulator",
+    "evaluation.judge.api_key_env": "OPENAI_API_KEY", "evaluation.judge.difficulty": "moderate",
+    "evaluation.judge.temperature": 0.7, "evaluation.judge.max_new_tokens": 512, "evaluation.judge.max_retries": 3,
+    "evaluation.judge.timeout_s": 180, "evaluation.judge.concurrency": 64, "evaluation.judge.appraisal_chars": 1200,
+    "evaluation.judge.message_chars": 1200,
 })
 PAPER_VARIANTS = {  # run_name: (training.algorithm, group_size, policy.think, max_new_tokens, difficulty)
     "paper-grpo-nothink-hard": ("grpo", 4, False, 512, "hard"),
