@@ -80,7 +80,8 @@ from rlver_lib.stats import MIN_N, Estimate, bootstrap_ci, cluster_bootstrap_ci,
 __all__ = [
     "BREAKDOWN_FACTORS", "BenchmarkResult", "BenchmarkSummary", "DialogueView", "Estimate",
     "Evaluation", "JudgeMismatchError", "RecordError", "bootstrap_ci", "build_judge", "build_simulator",
-    "check_same_judge", "dialogue_view", "evaluate", "headline_markdown", "judge_description",
+    "check_same_judge", "describe_paired", "dialogue_view", "error_statement", "evaluate", "headline_markdown",
+    "headline_table", "judge_description", "styled_breakdown",
     "load_records", "paired_comparison", "run_benchmark", "sage_score", "summarize", "transcript_protocol",
     "write_paired",
 ]
@@ -821,17 +822,17 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
     for label, s in summaries.items():
         score = s["sentient_score"]
         n_sc = s.get("n_scenarios", s.get("n", 0))
-        ci = f"[{score['low']:.1f}, {score['high']:.1f}]"
+        ci = f"({100 * score.get('confidence', 0.95):.0f}% CI [{score['low']:.1f}, {score['high']:.1f}])"
         if n_sc < MIN_N:
-            ci = _grey(f"{ci}, n = {n_sc} scenarios < {MIN_N}")
+            ci = _grey(f"{ci} — n = {n_sc} scenarios < {MIN_N}")
         errors = ""
         if s.get("n_error"):
             errors = (f"; errors {s['n_error']} ({100 * s.get('error_rate', 0):.0f}%): score "
                       f"{s.get('score_errors_at_last', float('nan')):.1f} with them at their last emotion, "
                       f"{s.get('score_errors_as_zero', float('nan')):.1f} with them as 0")
         ctx = f"; {s['n_context_limit']} stopped by the context budget" if s.get("n_context_limit") else ""
-        lines.append(f"- `{label}`: Sentient score {score['value']:.1f} {ci} over {s.get('n')} dialogue(s), "
-                     f"success {s.get('n_success')}, failure {s.get('n_failure')}{errors}{ctx}.")
+        lines.append(f"- `{label}`: Sentient score {score['value']:.1f} over {s.get('n')} dialogue(s) of {n_sc} "
+                     f"scenario(s) {ci}; success {s.get('n_success')}, failure {s.get('n_failure')}{errors}{ctx}.")
     first = next(iter(summaries.values()))
     judge = first.get("judge")
     protocol = first.get("protocol") or {}
@@ -846,6 +847,63 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
     if wall_s is not None:
         lines.append(f"- Wall time: {wall_s / 60:.1f} min ({wall_s:.0f} s).")
     return "\n".join(lines)
+
+
+def headline_table(summary: BenchmarkSummary) -> pd.DataFrame:
+    """The four headline figures with their intervals: index ``metric``, columns
+    ``value, low, high``; intervals over fewer than :data:`rlver_lib.stats.MIN_N`
+    scenarios are left out (NaN)."""
+    rows = []
+    for name in ("sentient_score", "success_rate", "failure_rate", "mean_turns"):
+        est = getattr(summary, name)
+        small = summary.n_scenarios < MIN_N
+        rows.append({"metric": name, "value": est.value, "low": np.nan if small else est.low,
+                     "high": np.nan if small else est.high})
+    return pd.DataFrame(rows).set_index("metric")
+
+
+def error_statement(summary: BenchmarkSummary) -> str:
+    """One paragraph: dialogue and scenario counts, why intervals may be left out, the
+    error rate with the two bounds, and the context-budget stops."""
+    parts = [f"{summary.n} scored dialogue(s) over {summary.n_scenarios} scenario(s): {summary.n_success} reached "
+             f"100, {summary.n_failure} ended below 10."]
+    if summary.n_scenarios < MIN_N:
+        parts.append(f"Intervals left out: n = {summary.n_scenarios} scenarios < {MIN_N}.")
+    if summary.n_error:
+        parts.append(f"{summary.n_error} dialogue(s) ({100 * summary.error_rate:.0f}%) ended in a judge error and are "
+                     f"excluded; counting them at their last emotion gives {summary.score_errors_at_last:.1f}, "
+                     f"as 0 gives {summary.score_errors_as_zero:.1f}.")
+    else:
+        parts.append("No judge errors.")
+    if summary.n_context_limit:
+        parts.append(f"{summary.n_context_limit} dialogue(s) stopped because the policy's context budget ran out "
+                     "(termination context_limit).")
+    return " ".join(parts)
+
+
+def styled_breakdown(breakdown: pd.DataFrame) -> Any:
+    """The breakdown table as a pandas ``Styler``: rows of groups with fewer than
+    :data:`rlver_lib.stats.MIN_N` scenarios greyed, numbers to one decimal (rates two)."""
+    def grey(row: pd.Series) -> list[str]:
+        return ["color: #999" if row["n_scenarios"] < MIN_N else ""] * len(row)
+
+    formats = {c: "{:.1f}" for c in ("sentient_score", "sentient_low", "sentient_high", "mean_turns")}
+    formats |= {c: "{:.2f}" for c in ("success_rate", "failure_rate")}
+    return (breakdown.style.apply(grey, axis=1).format(formats).hide(axis="index")
+            .set_caption(f"grey: fewer than {MIN_N} scenarios, the interval says little"))
+
+
+def describe_paired(paired: PairedComparison) -> str:
+    """One sentence on a paired comparison; the interval and p-value are flagged as
+    not evidence below :data:`rlver_lib.stats.MIN_N` scenarios."""
+    d = paired.difference
+    text = (f"trained minus baseline: {d.mean_diff:+.1f} emotion points over {d.n_scenarios} scenario(s) "
+            f"({paired.n_pairs} pairs, {paired.n_dropped} dropped for errors), {100 * d.confidence:.0f}% CI "
+            f"[{d.ci_low:+.1f}, {d.ci_high:+.1f}], sign-flip p = {d.p_value:.3g}, sign test p = {d.sign_test_p:.3g}; "
+            f"{d.n_positive} scenario(s) up, {d.n_negative} down, {d.n_zero} equal")
+    if d.n_scenarios < MIN_N:
+        text += f" (n = {d.n_scenarios} < {MIN_N}: not evidence either way)"
+    return text
 
 
 # --------------------------------------------------------------------------- SAGE scoring
