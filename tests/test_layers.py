@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlver_lib"
 LAYERS: list[tuple[str, set[str]]] = [
     ("data and config", {"config", "io", "stats"}),
     ("backends", {"native", "backends", "vllm_backend", "models"}),
-    ("simulator and rollout", {"scenarios", "simulator", "rollout"}),
+    ("simulator and rollout", {"scenarios", "simulator", "character", "rollout"}),
     ("algorithms and trainer", {"algorithms", "checkpoint", "trainer"}),
     ("evaluation", {"evaluation", "capability", "agreement"}),
     ("analysis", {"analysis"}),
