@@ -75,6 +75,7 @@ from tqdm.auto import tqdm
 from rlver_lib.backends import ChatBackend, SamplingParams, derive_seed
 from rlver_lib.io import atomic_write_json, atomic_write_text, iter_jsonl, write_jsonl
 from rlver_lib.rollout import record_transcript
+from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION  # one copy of the thresholds
 from rlver_lib.stats import MIN_N, Estimate, bootstrap_ci, cluster_bootstrap_ci, paired_difference
 
 __all__ = [
@@ -86,8 +87,6 @@ __all__ = [
     "write_paired",
 ]
 
-SUCCESS_EMOTION = 100
-FAILURE_EMOTION = 10
 BREAKDOWN_FACTORS = ("hidden_intention", "personality", "language")
 UNKNOWN = "unknown"
 PROTOCOLS = ("full", "sage")
