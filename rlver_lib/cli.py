@@ -1,7 +1,5 @@
 """The ``rlver`` command line (docs/ARCHITECTURE.md "workbench, cli"; README "Commands").
 
-::
-
     rlver run PARAMS.yaml [--set key=value ...]      pipeline notebooks -> outputs/<run>/report.html
     rlver ablate GRID.yaml [--set key=value ...]     every grid cell, then one comparison report
     rlver eval PARAMS.yaml [--set key=value ...]     the benchmark alone (base model or policy.adapter)
@@ -12,10 +10,9 @@
     rlver models prepare                             convert and check the embedded models
     rlver doctor                                     CPU, native builds, threads, smoke generations
 
-Exit status: 0 on success, 2 for a bad params file or override (the message names
-the key), 1 when a pipeline stage fails (the failing cell's error is printed).
-Thread counts (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``) are fixed from
-``threads`` in the params, else from the environment, before any model library loads.
+Exit status: 0 on success, 2 for a bad params file or override (the key named), 1 when a
+pipeline stage fails (its cell's error printed). ``threads`` in the params, else the
+environment, fixes ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` before any model library loads.
 """
 
 from __future__ import annotations

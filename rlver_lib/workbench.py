@@ -6,17 +6,13 @@ papermill into ``outputs/<run_name>/``::
     01 scenarios -> 04 evaluation ("baseline") -> 03 training
                  -> 04 evaluation ("trained", with the trained LoRA adapter) -> 06 analysis
 
-It writes the resolved ``config.yaml``, a ``manifest.json`` (package versions, git
-commit, seed, start/end times, per-stage wall time in seconds and peak resident
-memory in MiB of the whole process tree) and renders ``report.html`` with nbconvert
-(code hidden, figures embedded). A failing notebook stops the run with papermill's
-:class:`papermill.PapermillExecutionError` (the failing cell's error) and keeps every
-partial output; running again resumes, skipping stages recorded complete whose
-outputs exist (training itself resumes from its last checkpoint).
+It writes the resolved ``config.yaml``, a ``manifest.json`` and ``report.html`` (code
+hidden, figures embedded; the run folder is specified in docs/ARCHITECTURE.md "Run
+folder"). A failing notebook stops the run and keeps every partial output; running
+again resumes, skipping stages recorded complete whose outputs exist.
 
-:func:`run_ablation` runs every cell of a grid (base params x axes) as its own run
-under ``outputs/<grid_name>/<cell>/``, skipping finished cells, then executes the
-ablation notebook into one comparison report.
+:func:`run_ablation` runs each cell of a grid (base params x axes) as its own run under
+``outputs/<grid_name>/<cell>/`` (finished cells skipped), then one comparison report.
 """
 
 from __future__ import annotations
@@ -516,7 +512,8 @@ def run_pipeline(cfg: RunConfig, *, params_file: str | None = None,
     run_dir, manifest = prepare_run_dir(cfg, params_file)
     manifest_path = run_dir / "manifest.json"
     stages = pipeline_stages(cfg, run_dir)
-    invocation = {"started": _now(), "finished": None}
+    invocation = {"started": _now(), "finished": None,
+                  "num_processes": int(os.environ.get("WORLD_SIZE", "1"))}  # processes of this launch
     manifest["runs"].append(invocation)
     manifest["status"] = "running"
     atomic_write_json(manifest_path, manifest)
