@@ -505,8 +505,10 @@ def label_strategies(
     temperature: float = 0.0,
     max_new_tokens: int = 200,
     max_retries: int = 2,
+    batch_size: int = 16,
 ) -> pd.DataFrame:
-    """Judgements of ``replies`` by an LLM judge, JSON-schema constrained.
+    """Judgements of ``replies`` by an LLM judge, JSON-schema constrained, sent in
+    batches of ``batch_size`` conversations.
 
     Returns one row per reply (same order) with the :data:`JUDGE_FIELDS` columns and
     ``parsed`` (bool).  Outputs that do not parse (:func:`parse_judgement`) are asked
@@ -523,10 +525,12 @@ def label_strategies(
         if not pending:
             break
         sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + attempt)
-        outputs = judge.generate([judge_conversation(replies[i], contexts[i]) for i in pending],
-                                 sampling, json_schema=judgement_schema())
-        for i, out in zip(pending, outputs):
-            results[i] = parse_judgement(out.text)
+        for start in range(0, len(pending), batch_size):
+            chunk = pending[start:start + batch_size]
+            outputs = judge.generate([judge_conversation(replies[i], contexts[i]) for i in chunk],
+                                     sampling, json_schema=judgement_schema())
+            for i, out in zip(chunk, outputs):
+                results[i] = parse_judgement(out.text)
         pending = [i for i in pending if results[i] is None]
     rows = [{**(r or {"primary": UNPARSED}), "parsed": r is not None} for r in results]
     return pd.DataFrame(rows, columns=[*JUDGE_FIELDS, "parsed"])
