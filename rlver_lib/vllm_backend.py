@@ -639,7 +639,8 @@ class VLLMServer:
     ``base_url`` is ``http://host:port/v1`` (what ``simulator.base_url`` takes) and
     ``served_model_name`` is what ``simulator.model`` names. The server's output goes
     to ``log_path`` (a temp file when ``None``). Arguments as :func:`serve_command`;
-    ``port=None`` picks a free one. Raises ``RuntimeError`` (with the log's tail)
+    ``port=None`` picks a free one; ``env`` adds environment variables (on CPU
+    ``VLLM_CPU_OMP_THREADS_BIND`` defaults to ``nobind``). Raises ``RuntimeError`` (with the log's tail)
     when the server exits during start-up and ``TimeoutError`` when it is not ready
     in time; in both cases the process group is stopped first.
     """
@@ -671,6 +672,12 @@ class VLLMServer:
         self.env = {**os.environ, **(env or {})}
         # a multiprocessing engine of its own, whatever an in-process engine set here
         self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        if device == "cpu":
+            # vLLM's CPU default binds the worker's OpenMP threads to the cores it does not
+            # reserve for the API server: one core on a 2-core machine, with OMP_NUM_THREADS
+            # threads spin-waiting on it (0.4 tokens/s measured); unbound, the threads
+            # share the machine with the learner like any other process
+            self.env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self.process: subprocess.Popen | None = None
 
     @property

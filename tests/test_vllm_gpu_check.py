@@ -1,0 +1,52 @@
+"""``benchmarks/gpu_check.py --device cpu``: the one-shot check of the vLLM path, run through
+vLLM's CPU build at its smallest sizes, prints and writes its figures.
+
+Runtime: two child processes (a 2 x 4-token throughput batch with the hand-over check,
+one GRPO step of 2 x 2 dialogues), each starting its own engine; about 2-3 min of CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_support import child_processes, require_vllm
+
+require_vllm()
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_on_cpu_prints_its_figures(tmp_path):
+    before = child_processes()
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(out),
+                           "--device", "cpu", "--batch", "2", "--max-new-tokens", "4", "--steps", "1"],
+                          capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = json.loads((out / "figures.json").read_text(encoding="utf-8"))
+    assert figures["environment"]["vllm_device"] == "cpu" and figures["environment"]["vllm"]
+    tp = figures["throughput"]
+    for key in ("transformers", "vllm_base", "vllm_lora"):
+        assert 2 <= tp[key]["completion_tokens"] <= 2 * 4, tp[key]  # batch 2, at most 4 new tokens
+        assert tp[key]["tokens_per_s"] == pytest.approx(tp[key]["completion_tokens"] / tp[key]["seconds"])
+    handover = tp["handover"]
+    assert handover["adapter"] == "policy-step000000"
+    # bfloat16 engine vs the bfloat16 peft model: agreement and a gap of bf16 rounding size
+    assert 0.0 <= handover["greedy_prefix_agreement"] <= 1.0
+    assert 0.0 <= handover["logprob_abs_diff_mean"] <= handover["logprob_abs_diff_max"] < 1.0
+    train = figures["train"]
+    assert train["steps"] == 1 and train["vllm_adapter"] == "policy-step000001"
+    row = train["metrics"][0]
+    assert row["dialogues"] == 4 and 0.0 <= row["reward_mean"] <= 1.0
+    assert math.isfinite(row["logprob_gap_mean"]) and 0.0 <= row["logprob_gap_mean"] <= row["logprob_gap_max"]
+    for text in (proc.stdout, (out / "table.txt").read_text(encoding="utf-8")):
+        assert "rollout tokens/s, vllm_lora" in text and "hand-over logprob_abs_diff_max" in text
+        assert "training-inference gap" in text and "vLLM engine start-up s" in text
+    assert child_processes() <= before
