@@ -29,6 +29,7 @@ import pytest
 from vllm_support import (
     ENGINE_THREADS,
     KV_CACHE_GB,
+    VLLM_TEST_TIMEOUT_S,
     child_processes,
     require_vllm,
     teacher_forced_logprobs,
@@ -41,7 +42,7 @@ import torch  # noqa: E402
 from rlver_lib.backends import SamplingParams  # noqa: E402
 from rlver_lib.vllm_backend import INITIAL_ADAPTER_ID, VLLMBackend, chat_prompt_ids  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(VLLM_TEST_TIMEOUT_S)]
 
 #: Hand-over tolerance (nats, float32 engine vs float32 peft): mean and max |gap| per token.
 HANDOVER_TOL_MEAN = 1e-3

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_support import child_processes, require_vllm
+from vllm_support import VLLM_TEST_TIMEOUT_S, child_processes, require_vllm
 
 require_vllm()
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(VLLM_TEST_TIMEOUT_S)]
 
 ROOT = Path(__file__).resolve().parents[1]
 

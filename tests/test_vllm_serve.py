@@ -25,7 +25,7 @@ import json
 import socket
 
 import pytest
-from vllm_support import KV_CACHE_GB, child_processes, require_vllm
+from vllm_support import KV_CACHE_GB, VLLM_TEST_TIMEOUT_S, child_processes, require_vllm
 
 require_vllm()
 
@@ -36,7 +36,7 @@ from rlver_lib.evaluation import run_benchmark  # noqa: E402
 from rlver_lib.simulator import APPRAISAL_SCHEMA, REPLY_SCHEMA, UserSimulator, apply_change  # noqa: E402
 from rlver_lib.vllm_backend import VLLMServer  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(VLLM_TEST_TIMEOUT_S)]
 
 
 @pytest.fixture(scope="module")

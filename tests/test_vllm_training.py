@@ -24,7 +24,7 @@ import math
 import shutil
 
 import pytest
-from vllm_support import KV_CACHE_GB, child_processes, require_vllm
+from vllm_support import KV_CACHE_GB, VLLM_TEST_TIMEOUT_S, child_processes, require_vllm
 
 require_vllm()
 
@@ -36,7 +36,7 @@ from rlver_lib.scenarios import Scenario  # noqa: E402
 from rlver_lib.simulator import RuleSimulator  # noqa: E402
 from rlver_lib.trainer import TIMING_METRICS, Trainer  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(VLLM_TEST_TIMEOUT_S)]
 
 #: The vLLM-vs-learner gap allowed at float32 (nats per token), as in test_vllm_backend.py.
 GAP_TOL_MEAN = 1e-3

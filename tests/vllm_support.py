@@ -18,6 +18,8 @@ SKIP_REASON = ("vLLM is not importable in this environment: the real vLLM tests 
 #: Threads and KV cache for the CPU engine: the CI machine has 2 cores and 24 GB shared.
 ENGINE_THREADS = 2
 KV_CACHE_GB = 1.0
+#: Per-test limit (s): an engine or server start plus a few batches, on a busy 2-core machine.
+VLLM_TEST_TIMEOUT_S = 1800
 
 
 def require_vllm():
