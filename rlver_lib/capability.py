@@ -287,15 +287,22 @@ def load_humaneval(n: int | None = None, *, seed: int = 0) -> list[CodeProblem]:
     return [p for i, p in enumerate(problems) if i in keep]
 
 
+def visible_answer(output: str) -> str:
+    """The answer part of a model output: the text after the last ``</think>`` (think
+    mode, RLVER §3.3 think-then-say), else the whole output."""
+    return output.rsplit("</think>", 1)[-1]
+
+
 def completion_program(problem: CodeProblem, output: str) -> str:
     """The program HumanEval runs for a chat model's ``output``.
 
-    The code is the first fenced block of the output (the whole output when there is
-    none).  If it defines ``def <entry_point>`` it is appended after the problem's
+    The code is the first fenced block of the output's :func:`visible_answer` (the
+    whole answer when there is none).  If it defines ``def <entry_point>`` it is appended after the problem's
     prompt (imports and helper functions kept; the new definition replaces the
     stub); otherwise it is taken as the body continuing the prompt (the base-model
     convention).  Then the problem's ``test`` and ``check(<entry_point>)``.
     """
+    output = visible_answer(output)
     match = _CODE_BLOCK.search(output)
     code = match.group(1) if match else output
     if re.search(rf"^\s*def\s+{re.escape(problem.entry_point)}\s*\(", code, re.MULTILINE):
@@ -357,7 +364,7 @@ def check_math_answer(output: str, reference: str) -> tuple[bool, str | None]:
     from math_verify import parse, verify
 
     gold = parse(f"${reference}$")
-    predicted = parse(output)
+    predicted = parse(visible_answer(output))
     if not predicted:
         return False, None
     try:

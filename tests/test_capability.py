@@ -141,6 +141,8 @@ def test_humaneval_pass_at_1_canonical_wrong_and_body_only():
     ("\\boxed{3/4}", "3/4", True),
     ("\\boxed{13}", "12", False),
     ("I am not sure.", "12", False),
+    ("<think>maybe \\boxed{5}</think>The answer is \\boxed{12}.", "12", True),
+    ("<think>it is \\boxed{12}</think>I give up.", "12", False),  # thoughts are not the answer
 ])
 def test_check_math_answer(output, reference, ok):
     assert C.check_math_answer(output, reference)[0] is ok
