@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-Aggregation = Literal["token_mean", "seq_mean"]
+Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
 
 
 def _check_same_shape(**tensors: torch.Tensor) -> None:
@@ -48,30 +48,109 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_mean((values - mean) ** 2, mask)
 
 
+def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[count, sum, sum of squares]`` (float64) of ``values`` over the mask positions.
+
+    Moments add up: the moments of a batch split across processes are the sum of
+    each part's, so a distributed caller all-reduces them (sum) and passes the total
+    to :func:`whiten_with_moments`.
+    """
+    _check_same_shape(values=values, mask=mask)
+    m = mask.to(torch.float64)
+    v = values.detach().to(torch.float64)
+    return torch.stack([m.sum(), (v * m).sum(), (v * v * m).sum()])
+
+
+def moments_mean_var(moments: torch.Tensor) -> tuple[float, float]:
+    """Mean and population variance described by :func:`masked_moments` (``(0, 0)``
+    for no positions). Variances below float64 rounding of the mean count as 0."""
+    count, total, squares = (float(x) for x in moments)
+    if count <= 0:
+        return 0.0, 0.0
+    mean = total / count
+    var = squares / count - mean * mean
+    return mean, var if var > 1e-12 * (mean * mean + 1e-12) else 0.0
+
+
+def whiten_with_moments(values: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor,
+                        eps: float = 1e-8) -> torch.Tensor:
+    """``values`` shifted and scaled by the mean and population variance that
+    ``moments`` (from :func:`masked_moments`, possibly summed over processes)
+    describe; masked positions come back 0."""
+    _check_same_shape(values=values, mask=mask)
+    mean, var = moments_mean_var(moments)
+    return (values - mean) * (var + eps) ** -0.5 * mask.to(values.dtype)
+
+
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """``values`` ``[B, T]`` shifted and scaled to zero mean, unit variance over the mask
     positions (advantage normalisation of PPO implementations, e.g. Huang et al. 2022
     "The 37 implementation details of PPO", detail 7). Masked positions come back 0."""
-    _check_same_shape(values=values, mask=mask)
-    whitened = (values - masked_mean(values, mask)) * torch.rsqrt(masked_var(values, mask) + eps)
-    return whitened * mask
+    return whiten_with_moments(values, mask, masked_moments(values, mask), eps)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
-    """Reduce a per-token loss ``[B, T]`` to a scalar.
+def aggregation_numerator(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
+    """The summed part of :func:`aggregate`: ``Σ`` of the masked per-token values
+    (``token_mean``, ``dr_grpo``) or ``Σ`` over rows of each row's masked mean (``seq_mean``).
+    Numerators of micro-batches add up to the numerator of their whole batch."""
+    _check_same_shape(per_token=per_token, mask=mask)
+    if mode in ("token_mean", "dr_grpo"):
+        return (per_token * mask.to(per_token.dtype)).sum()
+    if mode == "seq_mean":
+        return masked_mean(per_token, mask, dim=-1).sum()
+    raise ValueError(f"unknown loss aggregation {mode!r}; expected 'token_mean', 'seq_mean' or 'dr_grpo'")
+
+
+def aggregation_denominator(mode: Aggregation, *, tokens: float, rows: float,
+                            max_tokens: int | None = None) -> float:
+    """What :func:`aggregate` divides by: the number of policy ``tokens``
+    (``token_mean``), of ``rows`` (``seq_mean``), or the constant
+    ``rows * max_tokens`` (``dr_grpo``, ``max_tokens`` = the completion budget). At least 1."""
+    if mode == "token_mean":
+        return max(float(tokens), 1.0)
+    if mode == "seq_mean":
+        return max(float(rows), 1.0)
+    if mode == "dr_grpo":
+        if not max_tokens or max_tokens < 1:
+            raise ValueError("dr_grpo aggregation needs max_tokens >= 1 (the completion budget)")
+        return max(float(rows), 1.0) * max_tokens
+    raise ValueError(f"unknown loss aggregation {mode!r}; expected 'token_mean', 'seq_mean' or 'dr_grpo'")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation, *,
+              normaliser: float | None = None, max_tokens: int | None = None) -> torch.Tensor:
+    """Reduce a per-token loss ``[B, T]`` to a scalar: :func:`aggregation_numerator` /
+    ``normaliser``.
 
     - ``token_mean``: sum over all policy tokens of the batch / their count (every
-      token weighs the same; DAPO / TRL ``bnpo``; Liu et al. 2025 "Dr. GRPO" argue
-      against per-sequence length normalisation).
+      token weighs the same; DAPO / TRL ``bnpo``).
     - ``seq_mean``: mean over policy tokens of each row, then mean over rows (the
       original GRPO objective, Shao et al. 2024 §4.1 eq. 3; TRL ``loss_type="grpo"``).
       Rows without policy tokens count as 0, as in TRL.
+    - ``dr_grpo``: sum over all policy tokens / (rows × ``max_tokens``), a constant
+      that does not depend on the replies' lengths (Liu et al. 2025 "Understanding
+      R1-Zero-like training", Dr. GRPO; TRL ``loss_type="dr_grpo"``).
+
+    ``normaliser`` defaults to this batch's :func:`aggregation_denominator`; a caller
+    that accumulates micro-batches passes the whole optimizer batch's (all
+    micro-batches and processes), so the micro-batch losses sum to the batch loss.
     """
-    if mode == "token_mean":
-        return masked_mean(per_token, mask)
-    if mode == "seq_mean":
-        return masked_mean(per_token, mask, dim=-1).mean()
-    raise ValueError(f"unknown loss aggregation {mode!r}; expected 'token_mean' or 'seq_mean'")
+    if normaliser is None:
+        normaliser = aggregation_denominator(mode, tokens=float(mask.sum()), rows=mask.shape[0],
+                                             max_tokens=max_tokens)
+    return aggregation_numerator(per_token, mask, mode) / normaliser
+
+
+def gather_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[ids]`` in float32: the log-probability of each id.
+
+    ``logits`` ``[..., V]``, ``ids`` ``[...]`` (same leading shape); returns ``[...]``.
+    Computed as ``logit - logsumexp`` so no ``[..., V]`` log-softmax is kept for backward.
+    """
+    if logits.shape[:-1] != ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match ids {tuple(ids.shape)}")
+    logits = logits.float()
+    return logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -83,8 +162,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     """
     if logits.shape[:2] != input_ids.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match input_ids {tuple(input_ids.shape)}")
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return gather_logprobs(logits[:, :-1], input_ids[:, 1:])
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -108,7 +186,13 @@ def kl_penalty(
     - ``k3 = (r - 1) - log r`` (unbiased, always ≥ 0; the GRPO paper's eq. 4 term).
 
     Shapes ``[B, T]`` in, ``[B, T]`` out. The reference is the same model with the
-    LoRA adapter disabled.
+    LoRA adapter disabled (the base model, also when a run starts from
+    ``policy.adapter``).
+
+    As a *loss* term only ``k3`` works: the gradient of ``k1 = log π_θ - log π_ref``
+    is ``∇ log π_θ``, whatever the reference, and its expectation under π_θ is 0, so
+    ``kl_coef * k1`` pulls nothing towards π_ref (the config refuses
+    ``kl_estimator: k1`` with ``kl_coef > 0``). ``k1`` remains a valid value estimate.
     """
     _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
     log_r = ref_logprobs - logprobs
@@ -117,6 +201,25 @@ def kl_penalty(
     if estimator == "k3":
         return torch.expm1(log_r) - log_r
     raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1' or 'k3'")
+
+
+def informative_groups(rewards: torch.Tensor, group_ids: Sequence[Hashable] | torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool: True for members of groups whose rewards are not all equal.
+
+    The other groups (a group of one included) get advantage exactly 0 from
+    :func:`grpo_advantages` and carry no policy-gradient signal; the learner leaves
+    them out of the loss so they do not dilute the token mean (DAPO's dynamic-sampling
+    filter, Yu et al. 2025 §3.2, without the resampling).
+    """
+    labels = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    if rewards.dim() != 1 or len(labels) != rewards.numel():
+        raise ValueError(f"{len(labels)} group ids for rewards of shape {tuple(rewards.shape)}")
+    keep = torch.zeros(len(labels), dtype=torch.bool)
+    for label in dict.fromkeys(labels):
+        idx = [i for i, g in enumerate(labels) if g == label]
+        group = rewards[idx]
+        keep[idx] = not bool((group == group[0]).all())
+    return keep
 
 
 def grpo_advantages(
@@ -207,11 +310,102 @@ def gae(
     return advantages, returns
 
 
+def dialogue_gae(
+    values: Sequence[Sequence[torch.Tensor]],
+    masks: Sequence[Sequence[torch.Tensor]],
+    rewards: Sequence[float] | torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """PPO advantages for dialogues whose policy turns are separate samples.
+
+    ``values[d][k]`` and ``masks[d][k]`` (``[T_dk]``): old values and policy-token mask
+    of turn ``k`` of dialogue ``d``, turns in order; ``rewards[d]``: the dialogue's
+    reward (RLVER: final emotion / 100), placed at its last policy token. The policy
+    tokens of all turns of a dialogue are laid out in one row, in turn order, and
+    :func:`gae` runs over the rows, so the chain crosses turn boundaries: the last
+    token of turn ``k`` bootstraps from the first token of turn ``k + 1``.
+
+    Returns ``(advantages, returns)`` in the layout of ``values`` (0 off the mask).
+    A dialogue without policy tokens gets zeros.
+    """
+    if not (len(values) == len(masks) == len(rewards)):
+        raise ValueError(f"{len(values)} value lists, {len(masks)} mask lists, {len(rewards)} rewards")
+    rows = []
+    for d, (turn_values, turn_masks) in enumerate(zip(values, masks)):
+        if len(turn_values) != len(turn_masks):
+            raise ValueError(f"dialogue {d}: {len(turn_values)} value tensors for {len(turn_masks)} masks")
+        for v, m in zip(turn_values, turn_masks):
+            _check_same_shape(values=v, mask=m)
+        rows.append(torch.cat([v[m.bool()].float() for v, m in zip(turn_values, turn_masks)])
+                    if turn_values else torch.zeros(0))
+    width = max([len(r) for r in rows] + [1])
+    flat_values = torch.zeros(len(rows), width)
+    flat_mask = torch.zeros(len(rows), width)
+    flat_rewards = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        flat_values[i, :len(row)] = row
+        flat_mask[i, :len(row)] = 1.0
+        if len(row):
+            flat_rewards[i, len(row) - 1] = float(rewards[i])
+    adv, ret = gae(flat_rewards, flat_values, flat_mask, gamma=gamma, lam=lam)
+    advantages: list[list[torch.Tensor]] = []
+    returns: list[list[torch.Tensor]] = []
+    for i, turn_masks in enumerate(masks):
+        offset, adv_turns, ret_turns = 0, [], []
+        for m in turn_masks:
+            sel = m.bool()
+            n = int(sel.sum())
+            a, r = torch.zeros(m.shape), torch.zeros(m.shape)
+            a[sel], r[sel] = adv[i, offset:offset + n], ret[i, offset:offset + n]
+            adv_turns.append(a)
+            ret_turns.append(r)
+            offset += n
+        advantages.append(adv_turns)
+        returns.append(ret_turns)
+    return advantages, returns
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, mask: torch.Tensor,
+                         cap: float = 3.0) -> torch.Tensor:
+    """Truncated importance-sampling weights for a rollout engine that samples from a
+    slightly different distribution than the learner scores (vLLM vs the training
+    forward pass): ``w_t = min(exp(log π_old(trainer) - log π_sampling), cap)``.
+
+    Token-level truncated IS (Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"; TRL ``vllm_importance_sampling_mode=
+    "token_truncate"`` with ``vllm_importance_sampling_clip_max``). All ``[B, T]``;
+    returns ``[B, T]`` without gradient, 1 off the mask and where a sampling log-prob
+    is NaN (unavailable). ``cap`` > 0.
+    """
+    if cap <= 0:
+        raise ValueError("cap must be > 0")
+    _check_same_shape(old_logprobs=old_logprobs, sampling_logprobs=sampling_logprobs, mask=mask)
+    diff = torch.nan_to_num((old_logprobs.detach() - sampling_logprobs.detach()) * mask.to(old_logprobs.dtype),
+                            nan=0.0)
+    return torch.clamp(torch.exp(diff), max=cap)
+
+
+def logprob_gap(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(Σ |Δ|, max |Δ|, count)`` over policy tokens of ``Δ = log π_old(trainer) -
+    log π_sampling`` (nats): the training-inference mismatch of a rollout engine.
+    Sums and counts so that a caller can add them over batches and processes."""
+    _check_same_shape(old_logprobs=old_logprobs, sampling_logprobs=sampling_logprobs, mask=mask)
+    sel = mask.bool() & ~torch.isnan(sampling_logprobs)
+    gap = (old_logprobs - sampling_logprobs).abs()[sel]
+    zero = torch.zeros((), dtype=torch.float64)
+    return (gap.double().sum() if gap.numel() else zero, gap.double().max() if gap.numel() else zero,
+            torch.tensor(float(gap.numel()), dtype=torch.float64))
+
+
 @dataclass
 class PolicyLossOutput:
     """Result of :func:`clipped_policy_loss`: the scalar ``loss`` (with grad),
     ``clip_fraction`` (share of policy tokens where the clip is active, in [0, 1])
-    and ``approx_kl`` (k3 estimate of KL(π_old || π_θ), nats/token)."""
+    and ``approx_kl`` (k3 estimate of KL(π_old || π_θ), nats/token); both means over
+    this batch's policy tokens."""
 
     loss: torch.Tensor
     clip_fraction: torch.Tensor
@@ -226,13 +420,17 @@ def clipped_policy_loss(
     *,
     clip_eps: float = 0.2,
     aggregation: Aggregation = "token_mean",
+    normaliser: float | None = None,
+    max_tokens: int | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7), negated to be minimised.
 
     ``ρ_t = exp(logπ_θ - logπ_old)``; per token ``-min(ρ_t A_t, clip(ρ_t, 1-ε, 1+ε) A_t)``,
-    reduced over policy tokens with :func:`aggregate`. Used by both PPO (``A`` from
-    :func:`gae`) and GRPO (``A`` from :func:`grpo_advantages`, broadcast to tokens;
-    ``[B]`` advantages are accepted and broadcast).
+    times ``is_weights`` when given (:func:`truncated_is_weights`), reduced over
+    policy tokens with :func:`aggregate` (``normaliser``, ``max_tokens`` as there).
+    Used by both PPO (``A`` from :func:`gae`) and GRPO (``A`` from
+    :func:`grpo_advantages`, broadcast to tokens; ``[B]`` advantages are accepted).
 
     ``logprobs`` (with grad), ``old_logprobs``, ``mask``: ``[B, T]``; ``advantages``
     ``[B, T]`` or ``[B]``.
@@ -247,7 +445,11 @@ def clipped_policy_loss(
     advantages = advantages.detach()
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    loss = aggregate(-torch.min(unclipped, clipped), mask, aggregation)
+    per_token = -torch.min(unclipped, clipped)
+    if is_weights is not None:
+        _check_same_shape(logprobs=logprobs, is_weights=is_weights)
+        per_token = per_token * is_weights.detach()
+    loss = aggregate(per_token, mask, aggregation, normaliser=normaliser, max_tokens=max_tokens)
     with torch.no_grad():
         active = ((ratio < 1.0 - clip_eps) & (advantages < 0)) | ((ratio > 1.0 + clip_eps) & (advantages > 0))
         clip_fraction = masked_mean(active.float(), mask)
@@ -262,12 +464,14 @@ def clipped_value_loss(
     mask: torch.Tensor,
     *,
     clip_eps: float = 0.2,
+    normaliser: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped critic loss (PPO2 style, as in OpenAI baselines / TRL's former PPO trainer).
 
     ``V_clip = V_old + clip(V - V_old, -ε, ε)``;
     per token ``½ max((V - R)², (V_clip - R)²)``, averaged over policy tokens only
-    (``mask``), never over user/template positions. All ``[B, T]``.
+    (``mask``), never over user/template positions; with ``normaliser`` the sum is
+    divided by it instead of this batch's token count. All ``[B, T]``.
 
     Returns ``(loss, clip_fraction)`` — the scalar loss (with grad) and the share of
     policy tokens where the clipped term is the larger one.
@@ -279,17 +483,24 @@ def clipped_value_loss(
     v_clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
     loss_unclipped = (values - returns) ** 2
     loss_clipped = (v_clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(loss_unclipped, loss_clipped), mask)
+    loss = 0.5 * aggregate(torch.max(loss_unclipped, loss_clipped), mask, "token_mean", normaliser=normaliser)
     with torch.no_grad():
         clip_fraction = masked_mean((loss_clipped > loss_unclipped).float(), mask)
     return loss, clip_fraction
+
+
+def explained_variance_from_moments(return_moments: torch.Tensor, residual_moments: torch.Tensor) -> float:
+    """:func:`explained_variance` from the :func:`masked_moments` of the returns and
+    of the residuals ``R - V`` (summed over processes by a distributed caller)."""
+    var_r = moments_mean_var(return_moments)[1]
+    if var_r == 0.0:
+        return float("nan")
+    return 1.0 - moments_mean_var(residual_moments)[1] / var_r
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """``1 - Var(R - V) / Var(R)`` over policy tokens; 1 is a perfect critic, ≤ 0 a
     useless one; NaN when the returns have zero variance. ``[B, T]`` inputs."""
     _check_same_shape(values=values, returns=returns, mask=mask)
-    var_r = masked_var(returns.float(), mask)
-    if float(var_r) == 0.0:
-        return float("nan")
-    return float(1.0 - masked_var((returns - values).float(), mask) / var_r)
+    return explained_variance_from_moments(masked_moments(returns.float(), mask),
+                                           masked_moments((returns - values).float(), mask))

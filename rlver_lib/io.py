@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Literal
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -42,6 +44,59 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 def atomic_write_json(path: str | Path, obj: Any) -> Path:
     """Write ``obj`` as indented UTF-8 JSON atomically."""
     return atomic_write_text(path, json.dumps(obj, ensure_ascii=False, indent=2) + "\n")
+
+
+def commit_directory(tmp: str | Path, path: str | Path, *,
+                     if_exists: Literal["replace", "keep"] = "replace") -> Path:
+    """Move the finished folder ``tmp`` to ``path`` by renaming it (same file system).
+
+    ``path`` is then either the complete new folder or, until the rename, whatever it
+    was before; never a half-written one. When ``path`` already exists:
+    ``"replace"`` swaps it out (renamed aside, then deleted); ``"keep"`` keeps it and
+    deletes ``tmp`` (another writer finished first, e.g. a concurrent conversion).
+    The folder gets the usual directory mode (umask) rather than ``mkdtemp``'s 0700.
+    Returns ``path``.
+    """
+    tmp, path = Path(tmp), Path(path)
+    os.chmod(tmp, 0o777 & ~_UMASK)
+    old = None
+    if path.exists():
+        if if_exists == "keep":
+            shutil.rmtree(tmp, ignore_errors=True)
+            return path
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        if if_exists == "keep" and path.is_dir():  # a concurrent writer got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return path
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+@contextmanager
+def atomic_directory(path: str | Path, *,
+                     if_exists: Literal["replace", "keep"] = "replace") -> Iterator[Path]:
+    """Write a folder atomically: yields a fresh temporary folder beside ``path``, which
+    :func:`commit_directory` renames to ``path`` when the block succeeds; on an
+    exception the temporary folder is deleted and ``path`` is left as it was.
+
+    ``with atomic_directory(dest) as tmp: model.save_pretrained(tmp)``
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_directory(tmp, path, if_exists=if_exists)
 
 
 def write_jsonl(path: str | Path, records: Iterable[dict]) -> Path:

@@ -1,54 +1,26 @@
-"""The learner loop: LoRA PPO and GRPO over multi-turn dialogues (DESIGN §1 "Learning", §3).
+"""The learner loop: LoRA PPO and GRPO over multi-turn dialogues (the RLVER paper's
+training; docs/ARCHITECTURE.md "algorithms, trainer").
 
-One training step:
-
-1. sample ``training.scenarios_per_step`` scenarios with a seeded, resumable sampler
-   (the *data position* counts scenarios consumed; epoch ``e`` is a fixed
-   permutation seeded by ``(seed, e)``);
-2. roll out ``training.group_size`` dialogues per scenario with
-   :func:`rlver_lib.rollout.run_rollouts` (the live LoRA policy generates);
-3. reward = final emotion / 100, minus ``training.format_penalty`` for a dialogue with
-   any malformed think block; dialogues that ended in ``error`` are left out;
-4. recompute old log-probs (and, for PPO, old values; and, when ``kl_coef > 0``,
-   reference log-probs with the adapter disabled — ``kl_ref`` is NaN otherwise) on exactly the ids each :class:`~rlver_lib.rollout.TurnSample`
-   holds — the context the policy saw plus the ids it sampled;
-5. advantages: GRPO — group-normalised dialogue reward given to every policy token
-   of the dialogue (all its turns); PPO — GAE over the dialogue's policy tokens, all
-   turns chained in order (user/template tokens skipped, see
-   :func:`rlver_lib.algorithms.gae`);
-6. ``epochs_per_step`` passes of shuffled mini-batches with gradient accumulation,
-   gradient clipping, and one LR-scheduler step per training step
-   (``transformers.get_scheduler``; ``warmup_steps`` counted in training steps);
-7. ``policy_backend.sync_policy(model, step)`` when the backend has it.
-
-Each turn is its own sample (think and non-think alike): the context of turn k is
-exactly what the policy saw, which is always correct, and in non-think mode it is
-equivalent to one merged sequence per dialogue.
-
-Device placement and data parallelism use ``accelerate``: the same code runs on one
-CPU process, ``accelerate launch --num_processes 2 --cpu``, or several GPUs. Each
-process rolls out its share of the step's scenarios (whole groups stay on one
-process) and gradients are averaged by DDP.
-
-Run folder (``run_dir/train/``): ``metrics.jsonl`` and ``metrics.csv`` (one row per
-step), ``dialogues/step_NNNNNN.jsonl``, ``checkpoints/step_NNNNNN/`` (adapter,
-value head, optimizer, scheduler, RNG states, step, data position; written to a
-temporary folder then renamed; the last ``keep_checkpoints`` kept) and ``adapter/``
-(the final LoRA adapter, loadable with ``peft.PeftModel.from_pretrained``). A run
-resumes from its latest checkpoint automatically; on CPU the resumed run reproduces
-the uninterrupted run's metrics exactly (timings and memory aside).
+A step: sample scenarios (:func:`sample_scenario_indices`); each process rolls out
+``group_size`` dialogues for its share (whole GRPO groups stay on one process);
+reward = final emotion / 100 minus ``format_penalty``; old (and reference) log-probs
+and old values are scored on exactly the sampled ids; advantages (GRPO: group-
+normalised, uninformative groups left out; PPO: GAE across turns, whitened over all
+processes); ``epochs_per_step`` passes of micro-batches through accelerate's gradient
+accumulation; one LR-scheduler step; the policy hand-over to the rollout backend.
+Every process takes part in the same collectives and optimizer steps every step
+(zero-weight micro-batches where it has no samples); losses are normalised by the
+token count of the whole optimizer step over all processes. Checkpoints:
+:mod:`rlver_lib.checkpoint`; run folder: docs/ARCHITECTURE.md "Run folder".
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import os
-import random
 import resource
-import shutil
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,17 +32,18 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import algorithms as alg
-from .backends import ChatBackend, SamplingParams
-from .config import RunConfig, dump_config
-from .io import atomic_write_json, atomic_write_text, iter_jsonl, write_jsonl
+from . import algorithms
+from .backends import ChatBackend
+from .checkpoint import Checkpoints
+from .config import ConfigError, RunConfig, TrainingConfig, dump_config, training_problems
+from .io import atomic_directory, atomic_write_text, iter_jsonl, write_jsonl
 
 TIMING_METRICS = ("step_time_s", "rollout_time_s", "update_time_s", "tokens_per_s",
                   "generated_tokens_per_s", "peak_memory_mb")
 
 
 class TrainerError(RuntimeError):
-    """A training run that cannot proceed (no usable samples, bad checkpoint)."""
+    """A training run that cannot proceed (bad launch, too few scenarios, bad checkpoint)."""
 
 
 def _step_seed(seed: int, step: int) -> int:
@@ -79,27 +52,110 @@ def _step_seed(seed: int, step: int) -> int:
 
 
 def sample_scenario_indices(n_scenarios: int, position: int, count: int, seed: int) -> tuple[list[int], int]:
-    """``count`` scenario indices starting at data ``position``; returns ``(indices, new_position)``.
+    """``count`` distinct scenario indices for the step starting at data ``position``.
 
-    Epoch ``e`` (positions ``e*n .. (e+1)*n - 1``) visits a permutation seeded by
-    ``(seed, e)``, so the sampler is a pure function of its position and resumes exactly.
+    Returns ``(indices, new_position)``. The data stream is a sequence of epochs of
+    ``n_scenarios`` positions each; epoch ``e`` visits the permutation seeded by
+    ``(seed, e)``. A step takes the next ``count`` positions of the current epoch; when
+    fewer than ``count`` are left it skips them and starts the next epoch (``drop_last``
+    in PyTorch's ``DataLoader``), so a step never repeats a scenario and every epoch
+    visits ``count * (n_scenarios // count)`` distinct scenarios (the skipped tail
+    differs from epoch to epoch). A pure function of ``(n_scenarios, position, count,
+    seed)``: a resumed run continues exactly.
+
+    Raises :class:`TrainerError` when there are no scenarios or ``count`` exceeds
+    ``n_scenarios`` (a step would have to repeat a scenario: raise
+    ``training.group_size`` for more dialogues per scenario instead).
     """
     if n_scenarios < 1:
         raise TrainerError("no training scenarios")
-    indices: list[int] = []
-    while len(indices) < count:
-        epoch, offset = divmod(position, n_scenarios)
-        perm = np.random.default_rng([seed, epoch]).permutation(n_scenarios)
-        take = min(count - len(indices), n_scenarios - offset)
-        indices += perm[offset:offset + take].tolist()
-        position += take
-    return indices, position
+    if count < 1 or position < 0:
+        raise TrainerError(f"need count >= 1 and position >= 0, got count={count}, position={position}")
+    if count > n_scenarios:
+        raise TrainerError(
+            f"training.scenarios_per_step={count} exceeds the {n_scenarios} training scenario(s): a step "
+            "would repeat a scenario. Lower training.scenarios_per_step (or raise training.group_size "
+            "for more dialogues per scenario).")
+    epoch, offset = divmod(position, n_scenarios)
+    if offset + count > n_scenarios:  # the tail of this epoch is too short: skip it
+        epoch, offset = epoch + 1, 0
+    perm = np.random.default_rng([seed, epoch]).permutation(n_scenarios)
+    return perm[offset:offset + count].tolist(), epoch * n_scenarios + offset + count
 
 
-def _zero_stage(accelerator: Accelerator) -> int:
+# ---------------------------------------------------------------- launch checks
+
+
+def _zero_stage(accelerator) -> int:
     """The DeepSpeed ZeRO stage of this launch (0 when DeepSpeed is not in use)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     return int(plugin.zero_stage) if plugin is not None else 0
+
+
+def check_launch(accelerator) -> None:
+    """Refuse launches that would silently mis-train. Raises :class:`TrainerError` when
+
+    - the environment says ``WORLD_SIZE > 1`` but accelerate runs this process alone
+      (plain ``torchrun`` on CPU: every process would train its own copy into the same
+      run folder);
+    - DeepSpeed ZeRO-3 shards the weights: every rank's generation would have to run in
+      lockstep and the LoRA weights could not be handed to a rollout engine.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and accelerator.num_processes == 1:
+        raise TrainerError(
+            f"WORLD_SIZE={world} in the environment, but accelerate runs this process alone "
+            f"({accelerator.distributed_type}): each of the {world} processes would train its own copy into the "
+            "same run folder. On GPUs launch with `accelerate launch --config_file params/accelerate/ddp.yaml "
+            f"...`; on CPU with `ACCELERATE_USE_CPU=true torchrun --nproc_per_node {world} ...`.")
+    if _zero_stage(accelerator) == 3:
+        raise TrainerError("DeepSpeed ZeRO-3 is not supported: it shards the weights, so rollouts would need "
+                           "every rank to generate in lockstep and the LoRA adapter could not be handed to vLLM. "
+                           "Use params/accelerate/ddp.yaml or zero2.yaml.")
+
+
+def configure_deepspeed(accelerator, training: TrainingConfig) -> None:
+    """Under DeepSpeed, put the accumulation, clipping and micro-batch settings of
+    ``training`` into the DeepSpeed config before ``prepare``: the engine, not the
+    trainer, accumulates and clips there (``accelerator.clip_grad_norm_`` only reports
+    its norm). A value the DeepSpeed config sets explicitly must agree, else
+    :class:`TrainerError`."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    wanted = {"gradient_accumulation_steps": ("grad_accum_steps", training.grad_accum_steps),
+              "gradient_clipping": ("max_grad_norm", training.max_grad_norm),
+              "train_micro_batch_size_per_gpu": ("mini_batch_size", training.mini_batch_size)}
+    config = plugin.deepspeed_config
+    for key, (name, value) in wanted.items():
+        current = config.get(key, "auto")
+        if current in ("auto", None):
+            config[key] = value
+        elif float(current) != float(value):
+            raise TrainerError(f"the DeepSpeed config sets {key}={current} but training.{name} is {value}; "
+                               f"set {key}: auto in the DeepSpeed config")
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig):
+    """The LR schedule (``transformers.get_scheduler``: ``constant`` means
+    ``constant_with_warmup``, so ``warmup_steps`` is honoured by every schedule).
+
+    Stepped once here, so that training step ``s`` (1-based) runs at the schedule's
+    value at ``s``: step 1 is not at LR 0; warmup reaches the peak at step
+    ``warmup_steps``; linear/cosine decay reach 0 one step after the last.
+    """
+    from transformers import get_scheduler
+
+    name = "constant_with_warmup" if training.lr_schedule == "constant" else training.lr_schedule
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=training.warmup_steps,
+                              num_training_steps=training.steps + 1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+        scheduler.step()
+    return scheduler
+
+
+# ---------------------------------------------------------------- model
 
 
 class PolicyWithValueHead(nn.Module):
@@ -107,9 +163,11 @@ class PolicyWithValueHead(nn.Module):
 
     ``forward(input_ids [B, L], attention_mask [B, L], mask [B, L-1])`` returns a dict of
     ``[B, L-1]`` float32 tensors aligned with next-token positions (entry ``t`` scores
-    ``input_ids[:, t+1]``): ``logprobs`` (at the sampling temperature), ``entropy``
-    (nats) and, with a value head, ``values``. Only positions where ``mask`` is 1 are
-    computed (the LM head runs on policy tokens only); the rest are 0.
+    ``input_ids[:, t+1]``): ``logprobs`` (at the sampling temperature,
+    :func:`~rlver_lib.algorithms.gather_logprobs`), ``entropy`` (nats,
+    :func:`~rlver_lib.algorithms.entropy_from_logits`; without gradient unless
+    ``entropy_grad``) and, with a value head, ``values``. Only positions where ``mask``
+    is 1 are computed (the LM head runs on policy tokens only); the rest are 0.
     """
 
     def __init__(self, policy: nn.Module, value_head: nn.Linear | None, temperature: float):
@@ -118,37 +176,84 @@ class PolicyWithValueHead(nn.Module):
         self.value_head = value_head
         self.temperature = temperature if temperature > 0 else 1.0
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor) -> dict:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor, *,
+                entropy_grad: bool = True) -> dict:
         base = self.policy.get_base_model()
         hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        sel = mask.bool()
-        h = hidden[:, :-1][sel]  # [N, H], N = number of policy tokens
+        selected = mask.bool()
+        h = hidden[:, :-1][selected]  # [N, H], N = number of policy tokens
         logits = base.get_output_embeddings()(h).float() / self.temperature  # [N, V]
-        logp_all = torch.log_softmax(logits, dim=-1)
-        targets = input_ids[:, 1:][sel]
 
         def scatter(values: torch.Tensor) -> torch.Tensor:
             out = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
-            out[sel] = values
+            out[selected] = values
             return out
 
-        out = {
-            "logprobs": scatter(logp_all.gather(-1, targets[:, None]).squeeze(-1)),
-            "entropy": scatter(-(logp_all.exp() * logp_all).sum(-1)),
-        }
+        out = {"logprobs": scatter(algorithms.gather_logprobs(logits, input_ids[:, 1:][selected]))}
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            out["entropy"] = scatter(algorithms.entropy_from_logits(logits))
         if self.value_head is not None:
             out["values"] = scatter(self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float())
         return out
 
 
+def build_model(cfg: RunConfig) -> tuple[PolicyWithValueHead, Any]:
+    """``(model, tokenizer)``: the policy of ``cfg.policy`` with a fresh LoRA adapter (or
+    its ``policy.adapter``, trainable), gradient checkpointing when asked, a zero-
+    initialised value head for PPO, and dropout switched off everywhere (as TRL's
+    ``disable_dropout``), so old and new log-probs come from the same function."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from .models import load_policy
+
+    policy, tokenizer = load_policy(cfg.policy, trainable=True)
+    if not isinstance(policy, PeftModel):
+        lora = cfg.policy.lora
+        policy = get_peft_model(policy, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                   target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+    if cfg.training.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.enable_input_require_grads()
+    value_head = None
+    if cfg.training.algorithm == "ppo":
+        # zero-initialised: the first advantages are then the (whitened) returns, not
+        # the noise of a random critic over the backbone's large hidden states
+        value_head = nn.Linear(policy.config.hidden_size, 1)
+        nn.init.zeros_(value_head.weight)
+        nn.init.zeros_(value_head.bias)
+    model = PolicyWithValueHead(policy, value_head, cfg.policy.temperature)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model, tokenizer
+
+
+def optimizer_groups(model: PolicyWithValueHead, training: TrainingConfig) -> list[dict[str, Any]]:
+    """AdamW parameter groups: the LoRA weights at ``learning_rate``, the value head
+    (PPO) at ``value_learning_rate``."""
+    groups = [{"params": [p for p in model.policy.parameters() if p.requires_grad], "lr": training.learning_rate}]
+    if model.value_head is not None:
+        groups.append({"params": list(model.value_head.parameters()), "lr": training.value_learning_rate})
+    return groups
+
+
+# ---------------------------------------------------------------- samples and advantages
+
+
+_PER_POSITION = ("sampling_logprobs", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")
+
+
 @dataclass
 class _Sample:
-    """One policy turn prepared for training; per-position tensors are ``[L-1]``."""
+    """One policy turn prepared for training; per-position tensors are ``[L-1]``
+    (``sampling_logprobs``: the rollout engine's, NaN where it gave none)."""
 
-    dialogue: int
+    dialogue_id: str
+    group_id: str
     turn: int
     input_ids: torch.Tensor
     mask: torch.Tensor
+    sampling_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
@@ -156,21 +261,223 @@ class _Sample:
     returns: torch.Tensor | None = None
 
 
-def _pad(rows: Sequence[torch.Tensor], value: float = 0) -> torch.Tensor:
-    return nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=value)
+def samples_from_trajectories(trajectories: Sequence[Any]) -> list[_Sample]:
+    """One :class:`_Sample` per policy turn of each trajectory, turns in order."""
+    samples = []
+    for t in trajectories:
+        for turn in sorted(t.samples, key=lambda s: s.turn):
+            ids = torch.tensor(turn.input_ids)
+            sampling = torch.full((len(ids) - 1,), float("nan"))
+            if len(turn.old_logprobs) == len(turn.completion_ids):
+                start = len(turn.context_ids) - 1
+                sampling[start:start + len(turn.completion_ids)] = torch.tensor(turn.old_logprobs)
+            samples.append(_Sample(t.dialogue_id, t.group_id, turn.turn, ids,
+                                   torch.tensor(turn.loss_mask[1:], dtype=torch.float32), sampling))
+    return samples
+
+
+def grpo_sample_advantages(samples: list[_Sample], rewards: dict[str, float], *,
+                           scale_rewards: bool) -> tuple[list[_Sample], int, int]:
+    """GRPO: every policy token of every turn carries its dialogue's group-normalised
+    advantage. Returns ``(kept samples, zero-variance groups, groups)``; samples of
+    zero-variance groups are left out (:func:`~rlver_lib.algorithms.informative_groups`)."""
+    dialogues = list(dict.fromkeys(s.dialogue_id for s in samples))
+    if not dialogues:
+        return [], 0, 0
+    group_of = {s.dialogue_id: s.group_id for s in samples}
+    reward = torch.tensor([rewards[d] for d in dialogues], dtype=torch.float32)
+    groups = [group_of[d] for d in dialogues]
+    advantage, zero_variance = algorithms.grpo_advantages(reward, groups, scale_rewards=scale_rewards)
+    keep = algorithms.informative_groups(reward, groups)
+    by_dialogue = {d: (float(a), bool(k)) for d, a, k in zip(dialogues, advantage, keep)}
+    for s in samples:
+        s.advantages = s.mask * by_dialogue[s.dialogue_id][0]
+    return [s for s in samples if by_dialogue[s.dialogue_id][1]], zero_variance, len(set(groups))
+
+
+def ppo_sample_advantages(samples: list[_Sample], rewards: dict[str, float], *, gamma: float, lam: float) -> None:
+    """PPO: GAE over each dialogue's policy tokens, its turns chained in order
+    (:func:`~rlver_lib.algorithms.dialogue_gae`); sets ``advantages`` and ``returns``."""
+    by_dialogue: dict[str, list[_Sample]] = defaultdict(list)
+    for s in samples:
+        by_dialogue[s.dialogue_id].append(s)
+    turns = [sorted(group, key=lambda s: s.turn) for group in by_dialogue.values()]
+    advantages, returns = algorithms.dialogue_gae(
+        [[s.old_values for s in dialogue] for dialogue in turns], [[s.mask for s in dialogue] for dialogue in turns],
+        [rewards[dialogue[0].dialogue_id] for dialogue in turns], gamma=gamma, lam=lam)
+    for dialogue, adv, ret in zip(turns, advantages, returns):
+        for s, a, r in zip(dialogue, adv, ret):
+            s.advantages, s.returns = a, r
 
 
 def _collate(samples: Sequence[_Sample], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded batch: ``input_ids``/``attention_mask`` ``[B, L]``, the rest ``[B, L-1]``."""
-    batch = {
-        "input_ids": _pad([s.input_ids for s in samples], pad_id),
-        "attention_mask": _pad([torch.ones_like(s.input_ids) for s in samples]),
-        "mask": _pad([s.mask for s in samples]),
-    }
-    for key in ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns"):
-        if getattr(samples[0], key) is not None:
-            batch[key] = _pad([getattr(s, key) for s in samples])
+    """Right-padded batch: ``input_ids``/``attention_mask`` ``[B, L]``, the rest ``[B, L-1]``
+    (a field a sample lacks is 0; ``sampling_logprobs`` is NaN where unknown)."""
+    def pad(rows, value=0.0):
+        return nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=value)
+
+    batch = {"input_ids": pad([s.input_ids for s in samples], pad_id),
+             "attention_mask": pad([torch.ones_like(s.input_ids) for s in samples], 0),
+             "mask": pad([s.mask for s in samples])}
+    for key in _PER_POSITION:
+        missing = float("nan") if key == "sampling_logprobs" else 0.0
+        batch[key] = pad([getattr(s, key) if getattr(s, key) is not None else torch.full_like(s.mask, missing)
+                          for s in samples], missing)
     return {k: v.to(device) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def score_old(model: PolicyWithValueHead, samples: list[_Sample], *, batch_size: int, pad_id: int,
+              device: torch.device, reference: bool) -> None:
+    """Set old log-probs, old values (PPO) and, with ``reference``, reference log-probs
+    (the adapter disabled) of each sample: local forward passes of the unwrapped model,
+    ``batch_size`` samples at a time, no collectives."""
+    model.eval()
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start:start + batch_size]
+        batch = _collate(chunk, pad_id, device)
+        args = (batch["input_ids"], batch["attention_mask"], batch["mask"])
+        out = model(*args)
+        ref = None
+        if reference:
+            with model.policy.disable_adapter():
+                ref = model(*args)["logprobs"]
+        for i, s in enumerate(chunk):
+            n = s.mask.numel()
+            s.old_logprobs = out["logprobs"][i, :n].cpu()
+            s.ref_logprobs = None if ref is None else ref[i, :n].cpu()
+            if "values" in out:
+                s.old_values = out["values"][i, :n].cpu()
+
+
+def micro_batch_loss(prepared: nn.Module, batch: dict[str, torch.Tensor], training: TrainingConfig, *,
+                 max_new_tokens: int, tokens: float, rows: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The micro-batch's share of its window's loss (all terms in view, as in CleanRL) and
+    its local sums for the metrics; ``tokens``/``rows``: the window's policy tokens and
+    samples over all processes, the normalisers of every term."""
+    mask = batch["mask"]
+    out = prepared(batch["input_ids"], batch["attention_mask"], mask, entropy_grad=training.entropy_coef > 0)
+    weights = None
+    if training.is_correction:
+        weights = algorithms.truncated_is_weights(batch["old_logprobs"], batch["sampling_logprobs"], mask,
+                                                  training.is_cap)
+    normaliser = algorithms.aggregation_denominator(training.loss_aggregation, tokens=tokens, rows=rows,
+                                                    max_tokens=max_new_tokens)
+    policy = algorithms.clipped_policy_loss(
+        out["logprobs"], batch["old_logprobs"], batch["advantages"], mask, clip_eps=training.clip_eps,
+        aggregation=training.loss_aggregation, normaliser=normaliser, is_weights=weights)
+    entropy = algorithms.aggregate(out["entropy"], mask, "token_mean", normaliser=tokens)
+    loss = policy.loss - training.entropy_coef * entropy
+    n = float(mask.sum())
+    parts = {"policy_loss": float(policy.loss.detach()), "tokens": n,
+             "entropy": float((out["entropy"].detach() * mask).sum()),
+             "approx_kl_old": policy.approx_kl.item() * n, "clipped": policy.clip_fraction.item() * n}
+    if training.kl_coef > 0:
+        kl = algorithms.kl_penalty(out["logprobs"], batch["ref_logprobs"], training.kl_estimator)
+        loss = loss + training.kl_coef * algorithms.aggregate(kl, mask, "token_mean", normaliser=tokens)
+        parts["kl_ref"] = float((kl.detach() * mask).sum())
+    if training.algorithm == "ppo":
+        value_loss, value_clip = algorithms.clipped_value_loss(
+            out["values"], batch["old_values"], batch["returns"], mask, clip_eps=training.value_clip_eps,
+            normaliser=tokens)
+        loss = loss + training.vf_coef * value_loss
+        parts.update(value_loss=float(value_loss.detach()), value_clipped=float(value_clip) * n)
+    if weights is not None:
+        parts.update(is_weight=float((weights * mask).sum()),
+                     is_capped=float(((weights >= training.is_cap) * mask).sum()))
+    return loss, parts
+
+
+class Collectives:
+    """Reductions over the processes of ``accelerator`` (plain values on one process);
+    every process must call each of them, in the same order."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over processes (float64, on the CPU)."""
+        if self.accelerator.num_processes == 1:
+            return tensor.double()
+        return self.accelerator.reduce(tensor.double().to(self.accelerator.device), reduction="sum").cpu()
+
+    def max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The largest entry of ``tensor`` over processes."""
+        if self.accelerator.num_processes == 1:
+            return tensor.max()
+        return self.accelerator.gather(tensor.double().to(self.accelerator.device)).max().cpu()
+
+    def gather(self, records: list[Any]) -> list[Any]:
+        """Every process's records, rank 0's first."""
+        if self.accelerator.num_processes == 1:
+            return records
+        from accelerate.utils import gather_object
+
+        return gather_object(records)
+
+
+def assign_advantages(samples: list[_Sample], rewards: dict[str, float], training: TrainingConfig,
+                      collect: Collectives) -> tuple[list[_Sample], dict[str, float], dict[str, float]]:
+    """Advantages (and PPO returns) for ``samples``; returns the samples to train on,
+    the step's sample statistics summed over processes, and the explained variance
+    and largest sampling log-prob gap over processes."""
+    zero_variance = groups = 0
+    gaps = [algorithms.logprob_gap(s.old_logprobs, s.sampling_logprobs, s.mask) for s in samples]
+    if training.algorithm == "grpo":
+        samples, zero_variance, groups = grpo_sample_advantages(samples, rewards,
+                                                                scale_rewards=training.scale_rewards)
+    else:
+        ppo_sample_advantages(samples, rewards, gamma=training.gamma, lam=training.lam)
+        if training.whiten_advantages:  # over every process's policy tokens
+            moments = collect.sum(sum((algorithms.masked_moments(s.advantages, s.mask) for s in samples),
+                                    torch.zeros(3, dtype=torch.float64)))
+            for s in samples:
+                s.advantages = algorithms.whiten_with_moments(s.advantages, s.mask, moments)
+    ppo = training.algorithm == "ppo"
+    return_moments = sum((algorithms.masked_moments(s.returns, s.mask) for s in samples if ppo),
+                         torch.zeros(3, dtype=torch.float64))
+    residual_moments = sum((algorithms.masked_moments(s.returns - s.old_values, s.mask) for s in samples if ppo),
+                           torch.zeros(3, dtype=torch.float64))
+    local = torch.cat([torch.tensor([
+        len(samples), sum(float(s.mask.sum()) for s in samples),
+        sum(s.input_ids.numel() for s in samples) * training.epochs_per_step, zero_variance, groups,
+        sum(float(g[0]) for g in gaps), sum(float(g[2]) for g in gaps)], dtype=torch.float64),
+        return_moments, residual_moments])
+    total = collect.sum(local)
+    names = ("samples", "policy_tokens", "train_tokens", "zero_variance_groups", "groups", "gap_sum", "gap_count")
+    sums = dict(zip(names, total[:7].tolist()))
+    extra = {"logprob_gap_max": float(collect.max(torch.tensor([max([float(g[1]) for g in gaps] + [0.0])])))}
+    if ppo:
+        extra["explained_variance"] = algorithms.explained_variance_from_moments(total[7:10], total[10:13])
+    return samples, sums, extra
+
+
+
+def update_metrics(total: dict[str, float], grad_norms: list[float], training: TrainingConfig, *,
+                   windows: int) -> dict[str, float]:
+    """The update's metrics from the sums of :func:`micro_batch_loss` over every micro-batch
+    and process: losses as means over optimizer steps (``windows``), the rest as means
+    over policy tokens; ``grad_norm`` the mean over optimizer steps."""
+    tokens = max(total["tokens"], 1.0)
+    update = {"policy_loss": total["policy_loss"] / windows, "entropy": total["entropy"] / tokens,
+              "approx_kl_old": total["approx_kl_old"] / tokens, "clip_fraction": total["clipped"] / tokens,
+              "grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan")}
+    if training.kl_coef > 0:
+        update["kl_ref"] = total["kl_ref"] / tokens
+    if training.algorithm == "ppo":
+        update["value_loss"] = total["value_loss"] / windows
+        update["value_clip_fraction"] = total["value_clipped"] / tokens
+    if training.is_correction:
+        update["is_weight_mean"] = total["is_weight"] / tokens
+        update["is_capped_fraction"] = total["is_capped"] / tokens
+    return update
+
+
+_UPDATE_SUMS = ("policy_loss", "tokens", "entropy", "approx_kl_old", "clipped", "kl_ref", "value_loss",
+                "value_clipped", "is_weight", "is_capped")
+
+
+# ---------------------------------------------------------------- metrics
 
 
 def _peak_memory_mb() -> float:
@@ -179,84 +486,121 @@ def _peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def step_metrics(records: Sequence[dict[str, Any]], sums: dict[str, float], update: dict[str, float],
+                 **fields: Any) -> dict[str, Any]:
+    """One metrics row from every process's dialogue ``records`` (``to_record()`` plus
+    ``train_reward`` and ``trained``), the sample ``sums`` (added over processes) and the
+    ``update`` statistics; ``fields`` (step, data position, learning rate, number of
+    processes, timings) are copied in. NaN where a metric is not defined for the step."""
+    nan = float("nan")
+    n = max(1, len(records))
+    reward = np.array([r["reward"] for r in records], dtype=float)
+    trained = [r["train_reward"] for r in records if r["trained"]]
+    assistant = [x for r in records for x in r["transcript"] if x.get("role") == "assistant"]
+    policy_turns = sum(r["policy_turns"] for r in records)
+    row: dict[str, Any] = {key: fields[key] for key in ("step", "data_position", "num_processes")}
+    row.update({
+        "dialogues": len(records),
+        "reward_mean": float(reward.mean()) if len(reward) else nan,
+        "reward_std": float(reward.std()) if len(reward) else nan,
+        "train_reward_mean": float(np.mean(trained)) if trained else nan,
+        "success_rate": sum(r["termination"] == "success" for r in records) / n,
+        "failure_rate": sum(r["termination"] == "failure" for r in records) / n,
+        "error_rate": sum(r["termination"] == "error" for r in records) / n,
+        "error_dialogues": sum(r["termination"] == "error" for r in records),
+        "final_emotion_mean": float(np.mean([r["final_emotion"] for r in records])) if records else nan,
+        "turns_mean": policy_turns / len(records) if records else nan,
+        "format_violation_rate": sum(r["format_violations"] for r in records) / max(1, policy_turns),
+        "zero_variance_group_share": sums["zero_variance_groups"] / sums["groups"] if sums["groups"] else 0.0,
+        "completion_tokens_mean": sums["policy_tokens"] / max(1.0, sums["samples"]),
+        "reply_chars_mean": float(np.mean([len(x.get("content") or "") for x in assistant])) if assistant else 0.0,
+        "thought_chars_mean": float(np.mean([len(x.get("thought") or "") for x in assistant])) if assistant else 0.0,
+        "samples": int(sums["samples"]),
+        "learning_rate": fields["learning_rate"],
+        "explained_variance": fields.get("explained_variance", nan),
+        "logprob_gap_mean": sums["gap_sum"] / sums["gap_count"] if sums["gap_count"] else nan,
+        "logprob_gap_max": fields.get("logprob_gap_max", nan) if sums["gap_count"] else nan,
+    })
+    row.update({k: update.get(k, nan) for k in (
+        "policy_loss", "value_loss", "entropy", "kl_ref", "approx_kl_old", "clip_fraction",
+        "value_clip_fraction", "is_weight_mean", "is_capped_fraction", "grad_norm")})
+    update_s, rollout_s = fields["update_time_s"], fields["rollout_time_s"]
+    row.update({
+        "step_time_s": fields["step_time_s"], "rollout_time_s": rollout_s, "update_time_s": update_s,
+        "tokens_per_s": sums["train_tokens"] / update_s if update_s > 0 else nan,
+        "generated_tokens_per_s": sums["policy_tokens"] / rollout_s if rollout_s > 0 else nan,
+        "peak_memory_mb": _peak_memory_mb(),
+    })
+    return row
+
+
+# ---------------------------------------------------------------- the learner
+
+
 class Trainer:
     """LoRA PPO / GRPO learner for one run (see the module docstring for a step).
 
     ``cfg``: the run configuration (``training`` selects the algorithm and settings);
     ``train_scenarios``: the scenarios to sample from; ``simulator``: anything with
-    ``opening_lines``/``step`` (default: built from ``cfg.simulator`` by
-    :func:`rlver_lib.evaluation.build_simulator`); ``policy_backend``: the generation
-    backend (default: :func:`rlver_lib.models.make_policy_backend` over the live model).
+    ``opening_lines``/``step`` (default: built from ``cfg.simulator``);
+    ``policy_backend``: the generation backend (default:
+    :func:`rlver_lib.models.make_policy_backend` over the live model).
 
-    Raises :class:`TrainerError` when there are no scenarios or a checkpoint is broken.
+    ``model`` is the :class:`PolicyWithValueHead` (its ``policy`` the live
+    ``peft.PeftModel``); ``prepared`` is what ``accelerator.prepare`` made of it (a DDP
+    or DeepSpeed wrapper, or the model itself), used for the update's forward and
+    backward passes. Dropout is switched off in the whole model (as TRL's
+    ``disable_dropout``) so old and new log-probs come from the same function. The KL
+    reference (``kl_coef > 0``) is the base model with the adapter disabled, also when
+    the run starts from ``policy.adapter``.
+
+    Raises :class:`~rlver_lib.config.ConfigError` for settings the learner refuses
+    (:func:`~rlver_lib.config.training_problems`) and :class:`TrainerError` for a bad
+    launch (:func:`check_launch`), too few scenarios or a broken checkpoint.
     """
 
     def __init__(self, cfg: RunConfig, train_scenarios: Sequence[Any], *,
                  simulator: Any | None = None, policy_backend: ChatBackend | None = None):
         from accelerate import Accelerator
-        from peft import LoraConfig, PeftModel, get_peft_model
-        from transformers import get_scheduler
+        from transformers import set_seed
 
-        from .models import load_policy, make_policy_backend
+        from .models import make_policy_backend
 
-        if not train_scenarios:
-            raise TrainerError("no training scenarios")
-        self.cfg, self.tcfg = cfg, cfg.training
-        self.scenarios = list(train_scenarios)
-        self.accelerator = Accelerator()
-        if cfg.policy.backend == "vllm" and _zero_stage(self.accelerator) == 3:
-            raise TrainerError("vLLM rollouts need the full LoRA weights on every process after each "
-                               "update; ZeRO-3 shards them. Use params/accelerate/ddp.yaml or zero2.yaml.")
+        problems = training_problems(cfg)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        training = cfg.training
+        sample_scenario_indices(len(train_scenarios), 0, training.scenarios_per_step, cfg.seed)  # fail early
+        self.cfg, self.training, self.scenarios = cfg, training, list(train_scenarios)
+        self.accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps)
+        self.accelerator.gradient_accumulation_steps = training.grad_accum_steps  # over any launcher default
+        check_launch(self.accelerator)
+        configure_deepspeed(self.accelerator, training)
         self.out_dir = cfg.run_dir / "train"
-        self._seed_everything(cfg.seed)
+        set_seed(cfg.seed)
 
-        model, self.tokenizer = load_policy(cfg.policy, trainable=True)
-        if not isinstance(model, PeftModel):
-            lora = cfg.policy.lora
-            model = get_peft_model(model, LoraConfig(
-                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                target_modules=lora.target_modules, task_type="CAUSAL_LM"))
-        if self.tcfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.enable_input_require_grads()
+        self.model, self.tokenizer = build_model(cfg)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(optimizer_groups(self.model, training), weight_decay=training.weight_decay)
+        self.scheduler = lr_scheduler(optimizer, training)  # stepped once per training step, not per process
+        self.prepared, self.optimizer = self.accelerator.prepare(self.model, optimizer)
+        self.accelerator.register_for_checkpointing(self.scheduler)
+        self.collect = Collectives(self.accelerator)
+        self.checkpoints = Checkpoints(self.accelerator, self.out_dir / "checkpoints", self.model,
+                                       training.keep_checkpoints)
         self.pad_id = self.tokenizer.pad_token_id
-        value_head = None
-        if self.tcfg.algorithm == "ppo":
-            # zero-initialised: the first advantages are then the (whitened) returns, not
-            # the noise of a random critic over the backbone's large hidden states
-            value_head = nn.Linear(model.config.hidden_size, 1)
-            nn.init.zeros_(value_head.weight)
-            nn.init.zeros_(value_head.bias)
-        module = PolicyWithValueHead(model, value_head, cfg.policy.temperature)
-        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": self.tcfg.learning_rate}]
-        if value_head is not None:
-            groups.append({"params": list(value_head.parameters()), "lr": self.tcfg.value_learning_rate})
-        optimizer = torch.optim.AdamW(groups)
-        self.scheduler = get_scheduler(self.tcfg.lr_schedule, optimizer,
-                                       num_warmup_steps=self.tcfg.warmup_steps,
-                                       num_training_steps=max(1, self.tcfg.steps))
-        self.module, self.optimizer = self.accelerator.prepare(module, optimizer)
-        self.core: PolicyWithValueHead = self.accelerator.unwrap_model(self.module)
-        self.trainable = [p for group in groups for p in group["params"]]
-
-        self.policy_backend = policy_backend or make_policy_backend(cfg.policy, model, self.tokenizer)
+        self.policy_backend = policy_backend or make_policy_backend(cfg.policy, self.model.policy, self.tokenizer)
         if simulator is None:
             from .evaluation import build_simulator
 
             simulator = build_simulator(cfg.simulator, cfg.seed)
         self.simulator = simulator
-        self.step = 0
-        self.data_position = 0
+        self.step, self.data_position = 0, 0
         self.history: list[dict[str, Any]] = []
         self._writer = None
         self._resume()
 
     # ------------------------------------------------------------ public
-
-    @property
-    def model(self):
-        """The live ``peft.PeftModel`` (LoRA policy)."""
-        return self.core.policy
 
     def train(self, stop_after: int | None = None) -> list[dict[str, Any]]:
         """Run up to ``training.steps`` steps (resuming where the run folder left off).
@@ -265,245 +609,149 @@ class Trainer:
         run (no final adapter) — what an interruption looks like. Returns the metrics
         rows of all steps so far.
         """
-        last = self.tcfg.steps if stop_after is None else min(stop_after, self.tcfg.steps)
-        bar = tqdm(total=self.tcfg.steps, initial=self.step, desc=f"{self.tcfg.algorithm} steps",
+        training = self.training
+        last = training.steps if stop_after is None else min(stop_after, training.steps)
+        bar = tqdm(total=training.steps, initial=self.step, desc=f"{training.algorithm} steps",
                    disable=not self.accelerator.is_main_process)
         while self.step < last:
             self.step += 1
             row = self._train_step()
             self._log(row)
-            if self.step % self.tcfg.checkpoint_every == 0 or self.step == self.tcfg.steps:
+            if self.step % training.checkpoint_every == 0 or self.step == training.steps:
                 self.save_checkpoint()
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}")
         bar.close()
-        if self.step >= self.tcfg.steps:
+        if self.step >= training.steps:
             self.save_adapter(self.out_dir / "adapter")
         if self._writer is not None:
             self._writer.flush()
         return self.history
 
     def save_adapter(self, path: Path) -> Path:
-        """Save the LoRA adapter (safetensors) to ``path`` atomically (temp folder, rename)."""
+        """Save the LoRA adapter (safetensors) to ``path`` atomically."""
         if self.accelerator.is_main_process:
-            with _atomic_dir(path) as tmp:
-                self.model.save_pretrained(tmp, safe_serialization=True)
+            with atomic_directory(path) as tmp:
+                self.model.policy.save_pretrained(tmp, safe_serialization=True)
         self.accelerator.wait_for_everyone()
         return path
+
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step_NNNNNN`` (:class:`~rlver_lib.checkpoint.Checkpoints`)."""
+        def extras(folder: Path) -> None:
+            self.model.policy.save_pretrained(folder / "adapter", safe_serialization=True)
+            atomic_write_text(folder / "config.yaml", dump_config(self.cfg))
+
+        state = {"step": self.step, "data_position": self.data_position, "algorithm": self.training.algorithm,
+                 "num_processes": self.accelerator.num_processes}
+        return self.checkpoints.save(self.step, state, extras)
 
     # ------------------------------------------------------------ one step
 
     def _train_step(self) -> dict[str, Any]:
         from .rollout import run_rollouts
 
-        t0 = time.perf_counter()
+        training, policy_cfg, accelerator = self.training, self.cfg.policy, self.accelerator
+        start = time.perf_counter()
         step_seed = _step_seed(self.cfg.seed, self.step)
         indices, self.data_position = sample_scenario_indices(
-            len(self.scenarios), self.data_position, self.tcfg.scenarios_per_step, self.cfg.seed)
-        acc = self.accelerator
-        shard = [self.scenarios[i] for i in indices[acc.process_index::acc.num_processes]]
-        pol = self.cfg.policy
-        self.model.eval()
+            len(self.scenarios), self.data_position, training.scenarios_per_step, self.cfg.seed)
+        shard = [self.scenarios[i] for i in indices[accelerator.process_index::accelerator.num_processes]]
         trajectories = run_rollouts(
-            self.policy_backend, self.simulator, shard, n_per_scenario=self.tcfg.group_size,
+            self.policy_backend, self.simulator, shard, n_per_scenario=training.group_size,
             max_turns=self.cfg.rollout.max_turns, initial_emotion=self.cfg.simulator.initial_emotion,
-            think=pol.think, seed=step_seed, progress=False, max_context_tokens=pol.max_context_tokens,
-            format_violation=pol.format_violation,
-            sampling=SamplingParams(temperature=pol.temperature, top_p=pol.top_p,
-                                    max_new_tokens=pol.max_new_tokens, seed=step_seed))
-        t_rollout = time.perf_counter() - t0
+            think=policy_cfg.think, seed=step_seed, progress=False, max_context_tokens=policy_cfg.max_context_tokens,
+            format_violation=policy_cfg.format_violation, sampling=policy_cfg.sampling(step_seed))
+        rollout_s = time.perf_counter() - start
 
-        usable = [t for t in trajectories if t.termination != "error" and t.samples]
-        rewards = torch.tensor([self._reward(t) for t in usable], dtype=torch.float32)
-        samples = [
-            _Sample(d, s.turn, torch.tensor(s.input_ids), torch.tensor(s.loss_mask[1:], dtype=torch.float32))
-            for d, t in enumerate(usable) for s in sorted(t.samples, key=lambda s: s.turn)
-        ]
-        stats: dict[str, Any] = {"zero_variance_groups": 0, "groups": len({t.group_id for t in usable})}
-        update: dict[str, float] = {}
-        t1 = time.perf_counter()
-        if samples:
-            self._score_old(samples)
-            self._assign_advantages(samples, usable, rewards, stats)
-            update = self._update(samples, step_seed)
+        rewards = {t.dialogue_id: self._reward(t) for t in trajectories}
+        trained = [t for t in trajectories
+                   if t.samples and (t.termination != "error" or training.error_dialogues == "zero_reward")]
+        samples = samples_from_trajectories(trained)
+        update_start = time.perf_counter()
+        score_old(self.model, samples, batch_size=training.mini_batch_size, pad_id=self.pad_id,
+                  device=accelerator.device, reference=training.kl_coef > 0)
+        samples, sums, extra = assign_advantages(samples, rewards, training, self.collect)
+        update = self._update(samples, step_seed)
+        learning_rate = self.optimizer.param_groups[0]["lr"]  # the rate this step's update used
         self.scheduler.step()
-        t_update = time.perf_counter() - t1
+        update_s = time.perf_counter() - update_start
         sync = getattr(self.policy_backend, "sync_policy", None)
         if sync is not None:
-            sync(self.model, self.step)
+            sync(self.model.policy, self.step)
 
-        if acc.is_main_process:
-            self._write_dialogues(trajectories)
-        return self._metrics(trajectories, samples, stats, update, rewards,
-                             t_rollout=t_rollout, t_update=t_update, t_total=time.perf_counter() - t0)
+        ids = {t.dialogue_id for t in trained}
+        records = self.collect.gather([dict(t.to_record(), train_reward=rewards[t.dialogue_id],
+                                     trained=t.dialogue_id in ids) for t in trajectories])
+        if accelerator.is_main_process:
+            write_jsonl(self.out_dir / "dialogues" / f"step_{self.step:06d}.jsonl",
+                        [{k: v for k, v in r.items() if k not in ("train_reward", "trained")} | {"step": self.step}
+                         for r in records])
+        return step_metrics(records, sums, update, step=self.step, data_position=self.data_position,
+                            num_processes=accelerator.num_processes, learning_rate=learning_rate,
+                            rollout_time_s=rollout_s, update_time_s=update_s,
+                            step_time_s=time.perf_counter() - start, **extra)
 
     def _reward(self, trajectory) -> float:
-        penalty = self.tcfg.format_penalty if trajectory.format_violations else 0.0
+        if trajectory.termination == "error":
+            return 0.0  # used only with training.error_dialogues: zero_reward
+        penalty = self.training.format_penalty if trajectory.format_violations else 0.0
         return float(trajectory.reward) - penalty
 
-    def _minibatches(self, samples: Sequence[_Sample], size: int):
-        for start in range(0, len(samples), size):
-            chunk = samples[start:start + size]
-            yield chunk, _collate(chunk, self.pad_id, self.accelerator.device)
-
-    @torch.no_grad()
-    def _score_old(self, samples: list[_Sample]) -> None:
-        """Old log-probs, reference log-probs (adapter disabled) and old values, per sample."""
-        self.core.eval()
-        for chunk, batch in self._minibatches(samples, self.tcfg.mini_batch_size):
-            args = (batch["input_ids"], batch["attention_mask"], batch["mask"])
-            out = self.core(*args)
-            ref = None
-            if self.tcfg.kl_coef > 0:  # the reference is the same model with the LoRA adapter disabled
-                with self.model.disable_adapter():
-                    ref = self.core(*args)["logprobs"]
-            for i, s in enumerate(chunk):
-                n = s.mask.numel()
-                s.old_logprobs = out["logprobs"][i, :n].cpu()
-                s.ref_logprobs = None if ref is None else ref[i, :n].cpu()
-                if "values" in out:
-                    s.old_values = out["values"][i, :n].cpu()
-
-    def _assign_advantages(self, samples: list[_Sample], usable, rewards: torch.Tensor, stats: dict) -> None:
-        """GRPO: dialogue advantage on every policy token; PPO: GAE over the dialogue's policy tokens."""
-        by_dialogue: dict[int, list[_Sample]] = defaultdict(list)
-        for s in samples:
-            by_dialogue[s.dialogue].append(s)
-        if self.tcfg.algorithm == "grpo":
-            adv, zero = alg.grpo_advantages(rewards, [t.group_id for t in usable],
-                                            scale_rewards=self.tcfg.scale_rewards)
-            stats["zero_variance_groups"] = zero
-            for s in samples:
-                s.advantages = s.mask * adv[s.dialogue]
-            return
-        # PPO: one row per dialogue holding the old values of its policy tokens, turn after turn.
-        dialogues = sorted(by_dialogue)
-        rows = [torch.cat([s.old_values[s.mask.bool()] for s in by_dialogue[d]]) for d in dialogues]
-        values = _pad(rows)
-        mask = _pad([torch.ones_like(r) for r in rows])
-        reward_rows = torch.zeros_like(values)
-        for i, (d, r) in enumerate(zip(dialogues, rows)):
-            reward_rows[i, len(r) - 1] = rewards[d]
-        adv, ret = alg.gae(reward_rows, values, mask, gamma=self.tcfg.gamma, lam=self.tcfg.lam)
-        if self.tcfg.whiten_advantages:
-            adv = alg.masked_whiten(adv, mask)
-        for i, d in enumerate(dialogues):
-            offset = 0
-            for s in by_dialogue[d]:
-                sel = s.mask.bool()
-                n = int(sel.sum())
-                s.advantages = torch.zeros_like(s.mask)
-                s.returns = torch.zeros_like(s.mask)
-                s.advantages[sel] = adv[i, offset:offset + n]
-                s.returns[sel] = ret[i, offset:offset + n]
-                offset += n
-
-    def _n_minibatches(self, n_samples: int) -> int:
-        """Mini-batches per epoch, equal on every process (DDP needs the same count)."""
-        local = torch.tensor([max(1, math.ceil(n_samples / self.tcfg.mini_batch_size))],
-                             device=self.accelerator.device)
-        return int(self.accelerator.gather(local).min())
-
     def _update(self, samples: list[_Sample], step_seed: int) -> dict[str, float]:
-        tc, acc = self.tcfg, self.accelerator
+        """``epochs_per_step`` passes of micro-batches, one optimizer step per window of
+        ``grad_accum_steps`` micro-batches (accelerate's ``accumulate``). Returns the
+        step's update statistics over all processes (``{}`` when no process has samples)."""
+        training, accelerator = self.training, self.accelerator
+        accumulation = training.grad_accum_steps
+        busiest = int(self.collect.max(torch.tensor([float(len(samples))])))
+        if busiest == 0:  # every process skips alike: nobody has anything to learn from
+            return {}
+        # One micro-batch count for every process: enough that none holds more than
+        # mini_batch_size samples on the busiest process, rounded up to whole windows,
+        # so every process runs the same passes and optimizer steps (a process with
+        # fewer samples gets smaller or empty, zero-weight, micro-batches).
+        n_micro = accumulation * math.ceil(math.ceil(busiest / training.mini_batch_size) / accumulation)
         generator = torch.Generator().manual_seed(step_seed)
-        n_mb = self._n_minibatches(len(samples))
-        sums: dict[str, list[float]] = defaultdict(list)
-        self.core.train()
-        for _ in range(tc.epochs_per_step):
-            order = torch.randperm(len(samples), generator=generator).tolist()
-            chunks = np.array_split(np.array(order), n_mb)
-            for k, chunk_idx in enumerate(chunks):
-                window_end = min(len(chunks), (k // tc.grad_accum_steps + 1) * tc.grad_accum_steps)
-                window = window_end - (k // tc.grad_accum_steps) * tc.grad_accum_steps
-                sync = k + 1 == window_end
-                batch = _collate([samples[i] for i in chunk_idx], self.pad_id, acc.device)
-                context = acc.no_sync(self.module) if not sync else contextlib.nullcontext()
-                with context:
-                    loss, parts = self._loss(batch)
-                    acc.backward(loss / window)
-                for key, val in parts.items():
-                    sums[key].append(val)
-                if sync:
-                    sums["grad_norm"].append(float(acc.clip_grad_norm_(self.trainable, tc.max_grad_norm)))
-                    self.optimizer.step()
+        totals = dict.fromkeys(_UPDATE_SUMS, 0.0)
+        grad_norms: list[float] = []
+        self.prepared.train()
+        for _ in range(training.epochs_per_step):
+            order = torch.randperm(len(samples), generator=generator).numpy()
+            chunks = [[samples[i] for i in part] for part in np.array_split(order, n_micro)]
+            # policy tokens and samples of each window, over all processes: its loss normalisers
+            windows = self.collect.sum(torch.tensor(
+                [[sum(float(s.mask.sum()) for chunk in chunks[w:w + accumulation] for s in chunk),
+                  sum(len(chunk) for chunk in chunks[w:w + accumulation])]
+                 for w in range(0, n_micro, accumulation)], dtype=torch.float64))
+            for k, chunk in enumerate(chunks):
+                batch = _collate(chunk or [self._empty_sample()], self.pad_id, accelerator.device)
+                tokens, rows = windows[k // accumulation].tolist()
+                with accelerator.accumulate(self.prepared):
+                    loss, parts = micro_batch_loss(self.prepared, batch, training, tokens=tokens, rows=rows,
+                                                   max_new_tokens=self.cfg.policy.max_new_tokens)
+                    # accelerator.backward divides by grad_accum_steps and DDP / ZeRO average
+                    # the gradients over processes; the loss's normalisers already are the
+                    # whole window's, so scaling back up makes the summed gradient exactly
+                    # that of the window's loss (one token mean over the global batch)
+                    accelerator.backward(loss * accumulation * accelerator.num_processes)
+                    if accelerator.sync_gradients:  # the window's last micro-batch
+                        norm = accelerator.clip_grad_norm_(self.trainable, training.max_grad_norm)
+                        if norm is not None:
+                            grad_norms.append(float(norm))
+                    self.optimizer.step()  # a no-op until the window is complete
                     self.optimizer.zero_grad(set_to_none=True)
-        return {key: float(np.mean(vals)) for key, vals in sums.items()}
+                for key, value in parts.items():
+                    totals[key] += value
+        total = self.collect.sum(torch.tensor([totals[k] for k in _UPDATE_SUMS], dtype=torch.float64))
+        return update_metrics(dict(zip(_UPDATE_SUMS, total.tolist())), grad_norms, training,
+                              windows=n_micro // accumulation * training.epochs_per_step)
 
-    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        tc = self.tcfg
-        out = self.module(batch["input_ids"], batch["attention_mask"], batch["mask"])
-        mask = batch["mask"]
-        pol = alg.clipped_policy_loss(out["logprobs"], batch["old_logprobs"], batch["advantages"], mask,
-                                      clip_eps=tc.clip_eps, aggregation=tc.loss_aggregation)
-        entropy = alg.masked_mean(out["entropy"], mask)
-        loss = pol.loss - tc.entropy_coef * entropy
-        parts = {"policy_loss": pol.loss.item(), "clip_fraction": pol.clip_fraction.item(),
-                 "approx_kl_old": pol.approx_kl.item(), "entropy": entropy.item()}
-        if "ref_logprobs" in batch:
-            kl = alg.masked_mean(alg.kl_penalty(out["logprobs"], batch["ref_logprobs"], tc.kl_estimator), mask)
-            loss = loss + tc.kl_coef * kl
-            parts["kl_ref"] = kl.item()
-        if "values" in out:
-            vloss, vclip = alg.clipped_value_loss(out["values"], batch["old_values"], batch["returns"], mask,
-                                                  clip_eps=tc.value_clip_eps)
-            loss = loss + tc.vf_coef * vloss
-            parts.update(value_loss=vloss.item(), value_clip_fraction=vclip.item())
-        return loss, parts
+    # ------------------------------------------------------------ collectives, files
 
-    # ------------------------------------------------------------ metrics and files
-
-    def _metrics(self, trajectories, samples, stats, update, rewards, *, t_rollout, t_update, t_total) -> dict:
-        records = self.accelerator.gather_for_metrics(
-            [(t.reward, t.final_emotion, t.termination, sum(1 for x in t.turns if x.get("role") == "assistant"),
-              t.format_violations) for t in trajectories], use_gather_object=True)
-        assistant_turns = [x for t in trajectories for x in t.turns if x.get("role") == "assistant"]
-        rew = np.array([r[0] for r in records], dtype=float)
-        n = max(1, len(records))
-        policy_tokens = sum(int(s.mask.sum()) for s in samples)
-        train_tokens = sum(s.input_ids.numel() for s in samples) * self.tcfg.epochs_per_step
-        row: dict[str, Any] = {
-            "step": self.step,
-            "data_position": self.data_position,
-            "dialogues": len(records),
-            "reward_mean": float(rew.mean()) if len(rew) else float("nan"),
-            "reward_std": float(rew.std()) if len(rew) else float("nan"),
-            "train_reward_mean": float(rewards.mean()) if len(rewards) else float("nan"),
-            "success_rate": sum(r[2] == "success" for r in records) / n,
-            "failure_rate": sum(r[2] == "failure" for r in records) / n,
-            "error_rate": sum(r[2] == "error" for r in records) / n,
-            "final_emotion_mean": float(np.mean([r[1] for r in records])) if records else float("nan"),
-            "turns_mean": float(np.mean([r[3] for r in records])) if records else float("nan"),
-            "format_violation_rate": sum(r[4] for r in records) / max(1, sum(r[3] for r in records)),
-            "zero_variance_group_share": (stats["zero_variance_groups"] / stats["groups"]
-                                          if self.tcfg.algorithm == "grpo" and stats["groups"] else 0.0),
-            "completion_tokens_mean": policy_tokens / max(1, len(samples)),
-            "reply_chars_mean": float(np.mean([len(x.get("content") or "") for x in assistant_turns]))
-            if assistant_turns else 0.0,
-            "thought_chars_mean": float(np.mean([len(x.get("thought") or "") for x in assistant_turns]))
-            if assistant_turns else 0.0,
-            "samples": len(samples),
-            "learning_rate": self.scheduler.get_last_lr()[0],
-            "explained_variance": self._explained_variance(samples),
-        }
-        row.update({k: update.get(k, float("nan")) for k in (
-            "policy_loss", "value_loss", "entropy", "kl_ref", "approx_kl_old", "clip_fraction",
-            "value_clip_fraction", "grad_norm")})
-        row.update({
-            "step_time_s": t_total, "rollout_time_s": t_rollout, "update_time_s": t_update,
-            "tokens_per_s": train_tokens / t_update if t_update > 0 else float("nan"),
-            "generated_tokens_per_s": policy_tokens / t_rollout if t_rollout > 0 else float("nan"),
-            "peak_memory_mb": _peak_memory_mb(),
-        })
-        return row
-
-    def _explained_variance(self, samples: list[_Sample]) -> float:
-        if self.tcfg.algorithm != "ppo" or not samples:
-            return float("nan")
-        values = torch.cat([s.old_values for s in samples])
-        returns = torch.cat([s.returns for s in samples])
-        mask = torch.cat([s.mask for s in samples])
-        return alg.explained_variance(values, returns, mask)
+    def _empty_sample(self) -> _Sample:
+        """A zero-weight micro-batch (no policy token) for a process with no samples left."""
+        return _Sample("", "", 0, torch.tensor([self.pad_id, self.pad_id]), torch.zeros(1))
 
     def _log(self, row: dict[str, Any]) -> None:
         self.history.append(row)
@@ -511,7 +759,7 @@ class Trainer:
             return
         write_jsonl(self.out_dir / "metrics.jsonl", self.history)
         atomic_write_text(self.out_dir / "metrics.csv", pd.DataFrame(self.history).to_csv(index=False))
-        if self.tcfg.tensorboard:
+        if self.training.tensorboard:
             if self._writer is None:
                 from torch.utils.tensorboard import SummaryWriter  # lazy: optional dependency
 
@@ -520,100 +768,18 @@ class Trainer:
                 if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
                     self._writer.add_scalar(f"train/{key}", value, row["step"])
 
-    def _write_dialogues(self, trajectories) -> None:
-        write_jsonl(self.out_dir / "dialogues" / f"step_{self.step:06d}.jsonl",
-                    [dict(t.to_record(), step=self.step) for t in trajectories])
-
-    # ------------------------------------------------------------ checkpoints
-
-    def _checkpoints(self) -> list[Path]:
-        root = self.out_dir / "checkpoints"
-        if not root.is_dir():
-            return []
-        return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")
-                      and (p / "trainer_state.json").is_file())
-
-    def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_NNNNNN`` atomically and prune to ``keep_checkpoints``."""
-        from safetensors.torch import save_file
-
-        path = self.out_dir / "checkpoints" / f"step_{self.step:06d}"
-        if self.accelerator.is_main_process:
-            with _atomic_dir(path) as tmp:
-                self.model.save_pretrained(tmp / "adapter", safe_serialization=True)
-                if self.core.value_head is not None:
-                    save_file({k: v.contiguous() for k, v in self.core.value_head.state_dict().items()},
-                              str(tmp / "value_head.safetensors"))
-                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-                torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
-                torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
-                            "torch": torch.get_rng_state(),
-                            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                           tmp / "rng.pt")
-                atomic_write_json(tmp / "trainer_state.json",
-                                  {"step": self.step, "data_position": self.data_position,
-                                   "algorithm": self.tcfg.algorithm})
-                atomic_write_text(tmp / "config.yaml", dump_config(self.cfg))
-            for old in self._checkpoints()[:-self.tcfg.keep_checkpoints]:
-                shutil.rmtree(old)
-        self.accelerator.wait_for_everyone()
-        return path
-
     def _resume(self) -> None:
         """Load the latest complete checkpoint, if any, and drop metrics logged after it."""
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        checkpoints = self._checkpoints()
-        if not checkpoints:
+        path = self.checkpoints.latest()
+        if path is None:
             return
-        path = checkpoints[-1]
-        state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-        if state.get("algorithm") != self.tcfg.algorithm:
+        state = self.checkpoints.state(path)
+        if state.get("algorithm") != self.training.algorithm:
             raise TrainerError(f"{path}: checkpoint is for {state.get('algorithm')!r}, "
-                               f"config asks for {self.tcfg.algorithm!r}")
-        result = set_peft_model_state_dict(self.model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
-        if getattr(result, "unexpected_keys", None):
-            raise TrainerError(f"{path}: adapter does not fit the model: {result.unexpected_keys[:3]}")
-        if self.core.value_head is not None:
-            self.core.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-        rng = torch.load(path / "rng.pt", weights_only=False)
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+                               f"config asks for {self.training.algorithm!r}")
+        self.checkpoints.load(path)
         self.step, self.data_position = int(state["step"]), int(state["data_position"])
         metrics = self.out_dir / "metrics.jsonl"
         if metrics.is_file():
             self.history = [row for _, row in iter_jsonl(metrics) if row["step"] <= self.step]
 
-    @staticmethod
-    def _seed_everything(seed: int) -> None:
-        from transformers import set_seed
-
-        set_seed(seed)
-
-
-class _atomic_dir:
-    """Context manager: yields a temporary sibling folder, renamed to ``path`` on success."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-
-    def __enter__(self) -> Path:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
-        if self.path.exists():
-            shutil.rmtree(self.path)
-        os.rename(self.tmp, self.path)
-        return False

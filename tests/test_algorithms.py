@@ -9,7 +9,6 @@ import torch
 
 from rlver_lib import algorithms as alg
 
-
 # ---------------------------------------------------------------- GAE
 
 def test_gae_skips_user_tokens_and_handles_uneven_lengths():
@@ -224,3 +223,165 @@ def test_grpo_loss_equals_trl(tmp_path, loss_type, aggregation):
     assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-6)
     for g_ours, g_trl in zip(our_grads, trl_grads):
         torch.testing.assert_close(g_ours, g_trl, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- Dr. GRPO: a constant normaliser
+
+def test_dr_grpo_loss_equals_trl(tmp_path):
+    trainer = _tiny_trl_trainer(tmp_path, "dr_grpo")
+    model = trainer.model
+    prompt_ids = torch.tensor([[30, 5, 6, 7], [8, 9, 10, 11]])
+    prompt_mask = (prompt_ids != 30).long()
+    completion_ids = torch.tensor([[12, 13, 31, 30], [14, 15, 16, 17]])
+    completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    advantages, _ = alg.grpo_advantages(torch.tensor([0.3, 0.8]), [0, 0], scale_rewards=False)
+    old = torch.tensor([[-3.0, -3.5, -2.9, 0.0], [-3.2, -3.4, -3.6, -3.3]])
+    inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                  completion_mask=completion_mask, advantages=advantages, old_per_token_logps=old,
+                  num_items_in_batch=completion_mask.sum())
+    model.train()
+    trl_loss = trainer._compute_loss(model, inputs)
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    logits = model(input_ids=input_ids, attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits
+    logp = alg.token_logprobs(logits, input_ids)[:, prompt_ids.shape[1] - 1:]
+    ours = alg.clipped_policy_loss(logp, old, advantages, completion_mask, aggregation="dr_grpo",
+                                   max_tokens=trainer.max_completion_length).loss
+    assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-7)
+    # the normaliser is rows x budget (2 x 4), not the 7 real tokens
+    token_mean = alg.clipped_policy_loss(logp, old, advantages, completion_mask, aggregation="token_mean").loss
+    assert ours.item() == pytest.approx(token_mean.item() * 7 / 8, rel=1e-5)
+
+
+def test_micro_batch_numerators_add_up_to_the_batch_aggregate():
+    torch.manual_seed(3)
+    per_token = torch.randn(5, 6)
+    mask = (torch.rand(5, 6) > 0.3).float()
+    mask[2] = 0  # a row without policy tokens
+    for mode in ("token_mean", "seq_mean", "dr_grpo"):
+        whole = alg.aggregate(per_token, mask, mode, max_tokens=6)
+        normaliser = alg.aggregation_denominator(mode, tokens=float(mask.sum()), rows=5, max_tokens=6)
+        parts = sum(alg.aggregate(per_token[rows], mask[rows], mode, normaliser=normaliser)
+                    for rows in (slice(0, 2), slice(2, 3), slice(3, 5)))
+        torch.testing.assert_close(parts, whole)
+    expected = {"token_mean": (per_token * mask).sum() / mask.sum(),
+                "seq_mean": ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean(),
+                "dr_grpo": (per_token * mask).sum() / 30}
+    for mode, value in expected.items():
+        torch.testing.assert_close(alg.aggregate(per_token, mask, mode, max_tokens=6), value)
+    with pytest.raises(ValueError, match="max_tokens"):
+        alg.aggregate(per_token, mask, "dr_grpo")
+
+
+# ---------------------------------------------------------------- KL as a loss: gradients
+
+def test_k3_loss_gradient_depends_on_the_reference_and_k1_does_not():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    mask = torch.ones(1, 3)
+
+    def grad(estimator, ref):
+        logp.grad = None
+        alg.masked_mean(alg.kl_penalty(logp, ref, estimator), mask).backward()
+        return logp.grad.clone()
+
+    ref_a, ref_b = torch.tensor([[-1.5, -1.0, -0.5]]), torch.tensor([[-0.2, -3.0, -2.0]])
+    # d/dlogp [exp(ref - logp) - 1 - (ref - logp)] = 1 - exp(ref - logp), over 3 tokens
+    for ref in (ref_a, ref_b):
+        torch.testing.assert_close(grad("k3", ref), (1 - torch.exp(ref - logp.detach())) / 3)
+    assert not torch.allclose(grad("k3", ref_a), grad("k3", ref_b))
+    # k1 = logp - ref: gradient 1/3 everywhere, whatever the reference (why the config refuses it)
+    torch.testing.assert_close(grad("k1", ref_a), torch.full((1, 3), 1 / 3))
+    torch.testing.assert_close(grad("k1", ref_b), grad("k1", ref_a))
+
+
+def test_config_refuses_k1_as_a_loss_term():
+    from rlver_lib.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="k1 cannot be a loss term"):
+        build_config({"training": {"kl_coef": 0.05, "kl_estimator": "k1"}})
+    assert build_config({"training": {"kl_coef": 0.05, "kl_estimator": "k3"}}).training.kl_coef == 0.05
+    assert build_config({"training": {"kl_coef": 0.0, "kl_estimator": "k1"}}).training.kl_estimator == "k1"
+
+
+# ---------------------------------------------------------------- distributed statistics
+
+def test_whitening_from_summed_moments_equals_whitening_the_whole_batch():
+    torch.manual_seed(4)
+    values = torch.randn(6, 5)
+    mask = (torch.rand(6, 5) > 0.4).float()
+    whole = alg.masked_whiten(values, mask)
+    # two "processes" holding rows 0-3 and 4-5: their moments add up
+    moments = alg.masked_moments(values[:4], mask[:4]) + alg.masked_moments(values[4:], mask[4:])
+    torch.testing.assert_close(alg.whiten_with_moments(values[4:], mask[4:], moments), whole[4:])
+    sel = values[mask.bool()]
+    expected = (values - sel.mean()) / torch.sqrt(sel.var(unbiased=False) + 1e-8) * mask
+    torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
+    returns, estimate = torch.randn(6, 5), torch.randn(6, 5)
+    split = alg.explained_variance_from_moments(
+        alg.masked_moments(returns[:3], mask[:3]) + alg.masked_moments(returns[3:], mask[3:]),
+        alg.masked_moments((returns - estimate)[:3], mask[:3]) + alg.masked_moments((returns - estimate)[3:], mask[3:]))
+    r, e = returns[mask.bool()], estimate[mask.bool()]
+    assert split == pytest.approx(float(1 - (r - e).var(unbiased=False) / r.var(unbiased=False)), rel=1e-5)
+
+
+def test_informative_groups_marks_groups_with_differing_rewards():
+    rewards = torch.tensor([0.2, 0.4, 0.5, 0.5, 0.7, 0.1, 0.1])
+    keep = alg.informative_groups(rewards, ["a", "a", "b", "b", "c", "d", "d"])
+    assert keep.tolist() == [True, True, False, False, False, False, False]
+
+
+# ---------------------------------------------------------------- PPO over turns
+
+def test_dialogue_gae_chains_turns_across_the_boundary():
+    # Dialogue 0: turn 0 has policy tokens at positions 1, 2 (position 0 is context),
+    # turn 1 at positions 2, 3 (0, 1 are context); reward 1.0 at its last token.
+    # Laid out in one row the policy tokens are [.1, .2 | .3, .4], as in
+    # test_gae_skips_user_tokens_and_handles_uneven_lengths (γ = .9, λ = .5):
+    # A = [.178325, .2185 | .33, .6], R = A + V.
+    values = [[torch.tensor([7.0, 0.1, 0.2]), torch.tensor([7.0, 7.0, 0.3, 0.4])],
+              [torch.tensor([9.0, 0.5])]]
+    masks = [[torch.tensor([0.0, 1, 1]), torch.tensor([0.0, 0, 1, 1])], [torch.tensor([0.0, 1])]]
+    adv, ret = alg.dialogue_gae(values, masks, [1.0, 0.2], gamma=0.9, lam=0.5)
+    torch.testing.assert_close(adv[0][0], torch.tensor([0.0, 0.178325, 0.2185]))
+    torch.testing.assert_close(adv[0][1], torch.tensor([0.0, 0.0, 0.33, 0.6]))
+    torch.testing.assert_close(ret[0][1], torch.tensor([0.0, 0.0, 0.63, 1.0]))
+    # the last token of turn 0 bootstraps from the first token of turn 1: δ = 0 + .9 * .3 - .2
+    assert adv[0][0][2].item() == pytest.approx((0.9 * 0.3 - 0.2) + 0.45 * 0.33)
+    torch.testing.assert_close(adv[1][0], torch.tensor([0.0, 0.2 - 0.5]))
+    with pytest.raises(ValueError, match="rewards"):
+        alg.dialogue_gae(values, masks, [1.0])
+
+
+# ---------------------------------------------------------------- rollout-engine mismatch
+
+def test_truncated_is_weights_hand_computed_and_match_trl_token_truncate():
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    sampling = torch.tensor([[-1.2, -0.5, float("nan"), -3.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w = alg.truncated_is_weights(old, sampling, mask, cap=3.0)
+    # exp(.2), exp(-1.5), NaN -> 1, masked -> 1
+    torch.testing.assert_close(w, torch.tensor([[math.exp(0.2), math.exp(-1.5), 1.0, 1.0]]))
+    assert alg.truncated_is_weights(old, torch.tensor([[-4.0, -2.0, -0.5, -3.0]]), mask, cap=3.0)[0, 0] == 3.0
+    # TRL 1.16 GRPOTrainer, token_truncate: clamp(exp(nan_to_num((old - sampling) * mask)), max=cap)
+    trl = torch.clamp(torch.exp(torch.nan_to_num((old - sampling) * mask, nan=0.0)), max=3.0)
+    torch.testing.assert_close(w, trl)
+    total, largest, count = alg.logprob_gap(old, sampling, mask)
+    assert (float(total), float(largest), float(count)) == pytest.approx((0.2 + 1.5, 1.5, 2))
+
+
+def test_is_weights_scale_the_per_token_policy_loss():
+    logp = torch.zeros(1, 2, requires_grad=True)
+    adv = torch.tensor([[1.0, -1.0]])
+    mask = torch.ones(1, 2)
+    w = torch.tensor([[2.0, 0.5]])
+    out = alg.clipped_policy_loss(logp, torch.zeros(1, 2), adv, mask, is_weights=w)
+    assert out.loss.item() == pytest.approx((-2.0 * 1 + 0.5 * 1) / 2)
+    out.loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, 0.25]]))
+
+
+def test_gather_logprobs_matches_log_softmax():
+    torch.manual_seed(5)
+    logits = torch.randn(7, 11)
+    ids = torch.randint(0, 11, (7,))
+    torch.testing.assert_close(alg.gather_logprobs(logits, ids),
+                               torch.log_softmax(logits, -1)[torch.arange(7), ids])

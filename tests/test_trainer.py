@@ -1,23 +1,39 @@
-"""The learner on the real embedded SmolLM2 policy with a deterministic rule simulator.
+"""The learner: sampler, launch checks, advantages and accumulation by hand, and the
+real embedded SmolLM2 policy with a deterministic rule simulator.
 
 Runtime on an idle 2-core machine (2 threads): about 15-20 s per learning test and
-about 10 s for the resume test.
+about 10 s for each other model test.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from rlver_lib.config import build_config
+from rlver_lib import algorithms
+from rlver_lib.config import EMBEDDED_POLICY, ConfigError, build_config, load_config
 from rlver_lib.io import iter_jsonl
 from rlver_lib.rollout import RuleSimulator
 from rlver_lib.scenarios import Scenario
-from rlver_lib.trainer import TIMING_METRICS, Trainer, sample_scenario_indices
+from rlver_lib.trainer import (
+    TIMING_METRICS,
+    Trainer,
+    TrainerError,
+    _Sample,
+    check_launch,
+    configure_deepspeed,
+    grpo_sample_advantages,
+    lr_scheduler,
+    ppo_sample_advantages,
+    sample_scenario_indices,
+    samples_from_trajectories,
+    score_old,
+)
 
 OPENINGS = ["I had a rough day.", "My friend is mad at me.", "I feel stuck at work.", "Nobody listens to me."]
 
@@ -45,13 +61,62 @@ def _cfg(tmp_path, name, **training):
     })
 
 
-def test_sampler_is_a_pure_function_of_position():
+def _schedule(n: int, count: int, seed: int, steps: int, position: int = 0) -> list[tuple[int, list[int]]]:
+    """``(start position, indices)`` of ``steps`` consecutive steps."""
+    out = []
+    for _ in range(steps):
+        indices, new_position = sample_scenario_indices(n, position, count, seed)
+        out.append((position, indices))
+        position = new_position
+    return out
+
+
+def _check_schedule(n: int, count: int, seed: int, steps: int) -> None:
+    schedule = _schedule(n, count, seed, steps)
+    per_epoch: dict[int, list[int]] = {}
+    for position, indices in schedule:
+        assert len(indices) == count and len(set(indices)) == count, (n, count, seed, position, indices)
+        assert all(0 <= i < n for i in indices)
+        per_epoch.setdefault(position // n if position % n + count <= n else position // n + 1, []).extend(indices)
+    for epoch, seen in list(per_epoch.items())[:-1]:  # every complete epoch: no scenario twice
+        assert len(seen) == len(set(seen)) == count * (n // count), (n, count, seed, epoch)
+    # resumable: restarting from any recorded position replays the rest exactly
+    for k in (1, steps // 2, steps - 1):
+        assert _schedule(n, count, seed, steps - k, position=schedule[k][0]) == schedule[k:]
+
+
+@pytest.mark.parametrize("n,count,seed,steps", [
+    (500, 32, 0, 300), (500, 32, 1, 300), (500, 32, 2, 300),  # the paper recipes' sizes
+    (3, 2, 3, 20),
+])
+def test_sampler_never_repeats_a_scenario_within_a_step(n, count, seed, steps):
+    _check_schedule(n, count, seed, steps)
+
+
+def test_sampler_property_over_many_sizes_and_seeds():
+    for n in range(1, 14):
+        for count in range(1, n + 1):
+            for seed in range(4):
+                _check_schedule(n, count, seed, steps=3 * (n // count) + 2)
+
+
+def test_sampler_is_a_pure_function_of_position_and_seed():
     first, pos = sample_scenario_indices(5, 0, 3, seed=1)
-    second, pos2 = sample_scenario_indices(5, pos, 4, seed=1)
-    assert pos == 3 and pos2 == 7
-    assert sorted(first + second[:2]) == [0, 1, 2, 3, 4]  # epoch 0 visits every scenario once
-    again, _ = sample_scenario_indices(5, 3, 4, seed=1)
-    assert again == second
+    second, pos2 = sample_scenario_indices(5, pos, 3, seed=1)
+    assert pos == 3 and pos2 == 8  # the 2-scenario tail of epoch 0 is skipped: epoch 1 starts at 5
+    assert sorted(first) == sorted(set(first)) and len(set(first) | set(second)) >= 3
+    assert sample_scenario_indices(5, 3, 3, seed=1) == (second, 8)
+    perm1 = np.random.default_rng([1, 1]).permutation(5).tolist()
+    assert second == perm1[:3]
+    assert [sample_scenario_indices(50, 0, 10, seed=s)[0] for s in range(3)] != \
+        [sample_scenario_indices(50, 0, 10, seed=0)[0]] * 3
+
+
+def test_sampler_refuses_more_scenarios_per_step_than_scenarios():
+    with pytest.raises(TrainerError, match="scenarios_per_step=4 exceeds the 3"):
+        sample_scenario_indices(3, 0, 4, seed=0)
+    with pytest.raises(TrainerError, match="no training scenarios"):
+        sample_scenario_indices(0, 0, 1, seed=0)
 
 
 def _comparable(row):
@@ -60,6 +125,255 @@ def _comparable(row):
             for k, v in row.items() if k not in TIMING_METRICS}
 
 
+# ---------------------------------------------------------------- launch and settings (no model)
+
+
+class _FakeAccelerator:
+    def __init__(self, num_processes=1, deepspeed_config=None, zero_stage=2):
+        plugin = None
+        if deepspeed_config is not None:
+            plugin = type("Plugin", (), {"deepspeed_config": deepspeed_config, "zero_stage": zero_stage})()
+        self.state = type("State", (), {"deepspeed_plugin": plugin})()
+        self.num_processes = num_processes
+        self.distributed_type = "NO"
+
+
+def test_every_process_training_alone_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(TrainerError, match="WORLD_SIZE=2 .* would train its own copy"):
+        check_launch(_FakeAccelerator(num_processes=1))
+    check_launch(_FakeAccelerator(num_processes=2))
+    monkeypatch.delenv("WORLD_SIZE")
+    check_launch(_FakeAccelerator(num_processes=1))
+    with pytest.raises(TrainerError, match="ZeRO-3"):
+        check_launch(_FakeAccelerator(deepspeed_config={}, zero_stage=3))
+
+
+def test_deepspeed_config_gets_accumulation_clipping_and_micro_batch():
+    training = build_config({"training": {"grad_accum_steps": 4, "max_grad_norm": 0.5,
+                                          "mini_batch_size": 8}}).training
+    config = {"gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}
+    configure_deepspeed(_FakeAccelerator(deepspeed_config=config), training)
+    assert config == {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 8,
+                      "gradient_clipping": 0.5}
+    with pytest.raises(TrainerError, match="gradient_clipping=1.0 but training.max_grad_norm is 0.5"):
+        configure_deepspeed(_FakeAccelerator(deepspeed_config={"gradient_clipping": 1.0}), training)
+    configure_deepspeed(_FakeAccelerator(), training)  # no DeepSpeed: nothing to do
+
+
+@pytest.mark.parametrize("schedule,warmup,expected", [
+    ("constant", 2, [0.5, 1.0, 1.0, 1.0]),  # warmup honoured: transformers' constant schedule drops it
+    ("constant", 0, [1.0, 1.0, 1.0, 1.0]),
+    ("linear", 2, [0.5, 1.0, 2 / 3, 1 / 3]),  # 4 steps: decay to 0 one step after the last
+    ("cosine", 0, [(1 + math.cos(math.pi * s / 5)) / 2 for s in (1, 2, 3, 4)]),
+])
+def test_learning_rate_of_each_step(schedule, warmup, expected):
+    training = build_config({"training": {"steps": 4, "warmup_steps": warmup, "lr_schedule": schedule,
+                                          "learning_rate": 1.0}}).training
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = lr_scheduler(optimizer, training)
+    used = []
+    for _ in range(4):
+        used.append(optimizer.param_groups[0]["lr"])  # what the step's update runs at
+        optimizer.step()
+        scheduler.step()
+    assert used == pytest.approx(expected)
+    assert used[0] > 0  # step 1 is never at LR 0
+
+
+def test_trainer_refuses_settings_that_bias_the_ratio(tmp_path):
+    for override, reason in ((("policy", "lora", "dropout"), 0.1), (("policy", "top_p"), 0.9)):
+        data = {"stages": ["evaluate"], "output_root": str(tmp_path), "policy": {"lora": {}}}
+        node = data
+        for key in override[:-1]:
+            node = node.setdefault(key, {})
+        node[override[-1]] = reason
+        cfg = build_config(data)  # an evaluation-only run may use these
+        with pytest.raises(ConfigError, match=override[-1]):
+            Trainer(cfg, _scenarios(2))
+        with pytest.raises(ConfigError, match=override[-1]):
+            build_config({**data, "stages": ["train"]})
+
+
+# ---------------------------------------------------------------- advantages by hand (no model)
+
+
+def _sample(dialogue, turn, context, values, group="g"):
+    """A turn with ``context`` context ids and ``len(values)`` policy tokens."""
+    n = context + len(values)
+    mask = torch.tensor([0.0] * (context - 1) + [1.0] * len(values))
+    old_values = torch.tensor([9.0] * (context - 1) + list(values))
+    return _Sample(dialogue, group, turn, torch.arange(n), mask, old_values=old_values)
+
+
+def test_grpo_every_turn_carries_its_dialogues_advantage_and_flat_groups_are_left_out():
+    samples = [_sample("a#0", 0, 3, [0, 0]), _sample("a#0", 1, 5, [0, 0, 0]), _sample("a#1", 0, 3, [0]),
+               _sample("b#0", 0, 2, [0], group="b"), _sample("b#1", 0, 2, [0, 0], group="b")]
+    rewards = {"a#0": 0.2, "a#1": 0.6, "b#0": 0.5, "b#1": 0.5}
+    kept, zero_variance, groups = grpo_sample_advantages(samples, rewards, scale_rewards=True)
+    a = -0.2 / (math.sqrt(0.08) + 1e-4)  # (r - mean) / (unbiased std + eps) of [0.2, 0.6]
+    assert (zero_variance, groups) == (1, 2)
+    assert [s.dialogue_id for s in kept] == ["a#0", "a#0", "a#1"]  # group b (equal rewards) is left out
+    torch.testing.assert_close(kept[0].advantages, torch.tensor([0, 0, a, a]))
+    torch.testing.assert_close(kept[1].advantages, torch.tensor([0, 0, 0, 0, a, a, a]))  # turn 1: same value
+    torch.testing.assert_close(kept[2].advantages, torch.tensor([0, 0, -a]))
+
+
+def test_ppo_gae_runs_across_the_turn_boundary_of_a_two_turn_dialogue():
+    # turn 0: policy tokens with values .1, .2; turn 1: .3, .4; reward 1.0; γ = .9, λ = .5
+    samples = [_sample("d#0", 1, 4, [0.3, 0.4]), _sample("d#0", 0, 3, [0.1, 0.2])]  # out of order on purpose
+    ppo_sample_advantages(samples, {"d#0": 1.0}, gamma=0.9, lam=0.5)
+    a4 = 1.0 - 0.4
+    a3 = (0.9 * 0.4 - 0.3) + 0.45 * a4
+    a2 = (0.9 * 0.3 - 0.2) + 0.45 * a3  # the last token of turn 0 bootstraps from turn 1's first
+    a1 = (0.9 * 0.2 - 0.1) + 0.45 * a2
+    torch.testing.assert_close(samples[1].advantages, torch.tensor([0, 0, a1, a2]))
+    torch.testing.assert_close(samples[0].advantages, torch.tensor([0, 0, 0, a3, a4]))
+    torch.testing.assert_close(samples[1].returns, torch.tensor([0, 0, a1 + 0.1, a2 + 0.2]))
+
+
+def test_sampling_logprobs_are_aligned_with_the_policy_tokens():
+    from rlver_lib.rollout import Trajectory, TurnSample
+
+    turn = TurnSample("a#0", 0, [10, 11, 12], [13, 14], [-0.1, -0.2])
+    t = Trajectory("a#0", "a", "a", [], 50, 0.5, "max_turns", samples=[turn])
+    (sample,) = samples_from_trajectories([t])
+    # next-token positions: entry j scores input_ids[j + 1]; ids 13, 14 sit at j = 2, 3
+    torch.testing.assert_close(sample.mask, torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    torch.testing.assert_close(sample.sampling_logprobs[2:], torch.tensor([-0.1, -0.2]))
+    assert torch.isnan(sample.sampling_logprobs[:2]).all()
+
+
+def test_policy_forward_keeps_no_entropy_graph_when_not_needed():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlver_lib.trainer import PolicyWithValueHead
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2))
+    model = PolicyWithValueHead(get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])), None, 0.7)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    out = model(ids, torch.ones_like(ids), mask, entropy_grad=False)
+    assert out["logprobs"].requires_grad and not out["entropy"].requires_grad
+    assert model(ids, torch.ones_like(ids), mask)["entropy"].requires_grad
+    logits = base(input_ids=ids).logits[0, 1:3] / 0.7  # positions 1, 2 score ids 3, 4
+    torch.testing.assert_close(out["logprobs"][0, 1:], torch.log_softmax(logits, -1)[[0, 1], [3, 4]])
+    torch.testing.assert_close(out["entropy"][0, 1:], torch.distributions.Categorical(logits=logits).entropy())
+
+
+def test_atomic_directory_replaces_whole_or_not_at_all(tmp_path):
+    from rlver_lib.io import atomic_directory
+
+    target = tmp_path / "ckpt"
+    with atomic_directory(target) as tmp:
+        (tmp / "a").write_text("1")
+    with pytest.raises(KeyError):
+        with atomic_directory(target) as tmp:
+            (tmp / "b").write_text("2")
+            raise KeyError("interrupted")
+    assert sorted(p.name for p in target.iterdir()) == ["a"] and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    with atomic_directory(target) as tmp:
+        (tmp / "c").write_text("3")
+    assert sorted(p.name for p in target.iterdir()) == ["c"]
+    with atomic_directory(target, if_exists="keep") as tmp:
+        (tmp / "d").write_text("4")
+    assert sorted(p.name for p in target.iterdir()) == ["c"] and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# ---------------------------------------------------------------- the real policy
+
+
+@pytest.mark.slow
+def test_first_mini_batch_has_ratio_one_at_temperature_0_7_and_warmup_is_honoured(tmp_path):
+    torch.set_num_threads(2)
+    cfg = build_config({
+        "run_name": "t07", "output_root": str(tmp_path), "seed": 5,
+        "policy": {"dtype": "float32", "temperature": 0.7, "max_new_tokens": 6, "lora": {"r": 4, "alpha": 8}},
+        "simulator": {"backend": "rule"}, "rollout": {"max_turns": 2},
+        "training": {"algorithm": "ppo", "steps": 2, "scenarios_per_step": 1, "group_size": 2,
+                     "mini_batch_size": 8, "epochs_per_step": 1, "learning_rate": 1e-3, "warmup_steps": 2,
+                     "checkpoint_every": 100}})
+    rows = Trainer(cfg, _scenarios(2), simulator=RuleSimulator(starts_with_i)).train()
+    for row in rows:
+        assert row["approx_kl_old"] < 1e-6 and row["clip_fraction"] == 0.0
+        # the learner's old log-probs are the ones the policy sampled with (fp32)
+        assert row["logprob_gap_max"] < 1e-4 and abs(row["is_weight_mean"] - 1) < 1e-4
+    assert [r["learning_rate"] for r in rows] == pytest.approx([5e-4, 1e-3])
+    assert all(r["num_processes"] == 1 for r in rows)
+
+
+class _Erroring(RuleSimulator):
+    """The rule simulator, except that dialogue ``s0#0`` hits an outage at its first turn."""
+
+    def step(self, requests):
+        from rlver_lib.simulator import SimulatorTurn
+
+        turns = super().step(requests)
+        return [SimulatorTurn(r.dialogue_id, None, None, r.emotion, r.emotion, "B", {}, None, False, error="outage")
+                if r.dialogue_id == "s0#0" else t for r, t in zip(requests, turns)]
+
+
+def _padded(samples, key):
+    return torch.nn.utils.rnn.pad_sequence([getattr(s, key) for s in samples], batch_first=True)
+
+
+@pytest.mark.slow
+def test_error_dialogues_are_counted_and_accumulation_steps_once_per_window_with_the_full_gradient(tmp_path):
+    torch.set_num_threads(2)
+    cfg = _cfg(tmp_path, "accum", algorithm="ppo", vf_coef=0.0, steps=1, scenarios_per_step=2, group_size=2,
+               mini_batch_size=1, grad_accum_steps=2, max_grad_norm=1e6, entropy_coef=0.0, is_correction=False)
+    cfg.policy.dtype = "float32"
+    trainer = Trainer(cfg, _scenarios(2), simulator=_Erroring(starts_with_i))
+    # error dialogues: left out by default, counted; trained on with reward 0 on request
+    dropped = trainer.train()[0]
+    trainer.training = trainer.training.model_copy(update={"error_dialogues": "zero_reward"})
+    trainer.step += 1
+    zeroed = trainer._train_step()
+    for row in (dropped, zeroed):
+        assert (row["error_dialogues"], row["dialogues"], row["error_rate"]) == (1, 4, 0.25)
+    assert (dropped["samples"], zeroed["samples"]) == (3, 4)  # one turn per dialogue
+    records = [r for _, r in iter_jsonl(cfg.run_dir / "train" / "dialogues" / "step_000001.jsonl")]
+    assert sorted(r["termination"] for r in records).count("error") == 1
+
+    # hand-made samples: 4 micro-batches of one sample, windows of 2 -> exactly 2 optimizer steps,
+    # each with the gradient of its window's token-mean loss (all its samples at once)
+    samples = [_Sample(f"x#{k}", "x", 0, torch.tensor([1, 5 + k, 9, 11 + k][:3 + k % 2]),
+                       torch.tensor([0.0, 1.0, 1.0][:2 + k % 2])) for k in range(4)]
+    score_old(trainer.model, samples, batch_size=1, pad_id=trainer.pad_id, device=trainer.accelerator.device,
+              reference=False)
+    for k, s in enumerate(samples):
+        s.advantages, s.returns = s.mask * (k - 1.5), torch.zeros_like(s.mask)
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 0.0  # both windows then see the same weights
+    inner, recorded = trainer.optimizer.optimizer, []
+    original_step = inner.step
+
+    def spy(*args, **kwargs):
+        recorded.append([p.grad.detach().clone() for p in trainer.trainable])
+        return original_step(*args, **kwargs)
+
+    inner.step = spy
+    trainer._update(samples, step_seed=11)
+    inner.step = original_step
+    assert len(recorded) == 2
+    order = torch.randperm(4, generator=torch.Generator().manual_seed(11)).numpy()
+    for window, grads in zip(np.array_split(order, 2), recorded):
+        batch = [samples[i] for i in window]
+        trainer.model.zero_grad()
+        ids = _padded(batch, "input_ids")
+        out = trainer.model(ids, (_padded(batch, "input_ids") > 0).long(), _padded(batch, "mask"))
+        algorithms.clipped_policy_loss(out["logprobs"], _padded(batch, "old_logprobs"), _padded(batch, "advantages"),
+                                       _padded(batch, "mask")).loss.backward()
+        for got, p in zip(grads, trainer.trainable):
+            expected = p.grad if p.grad is not None else torch.zeros_like(p)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-8)
+        assert any(g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.slow
 def test_resume_after_interruption_reproduces_metrics(tmp_path):
     torch.set_num_threads(2)
     sim = RuleSimulator(starts_with_i)
@@ -70,8 +384,12 @@ def test_resume_after_interruption_reproduces_metrics(tmp_path):
     Trainer(cut, scenarios, simulator=sim).train(stop_after=3)  # killed after step 3; checkpoint at 2
     ckpts = sorted((cut.run_dir / "train" / "checkpoints").iterdir())
     assert [p.name for p in ckpts] == ["step_000002"]
-    assert {"adapter", "value_head.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt",
-            "trainer_state.json"} <= {p.name for p in ckpts[0].iterdir()}
+    assert {"adapter", "model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl",
+            "trainer_state.json", "config.yaml"} <= {p.name for p in ckpts[0].iterdir()}
+    from safetensors.torch import load_file
+
+    saved = load_file(str(ckpts[0] / "model.safetensors"))  # trainable weights only: LoRA and value head
+    assert saved and all("lora_" in k or k.startswith("value_head.") for k in saved)
     resumed = Trainer(cut, scenarios, simulator=sim)
     assert resumed.step == 2 and resumed.data_position == 2
     rows = resumed.train()
@@ -85,17 +403,19 @@ def test_resume_after_interruption_reproduces_metrics(tmp_path):
 
     # the final adapter loads in a plain peft script and carries the trained weights
     from peft import PeftModel
+
     from rlver_lib.models import load_causal_lm
 
     base, _ = load_causal_lm("embedded:smollm2-135m-instruct", "bfloat16")
     loaded = PeftModel.from_pretrained(base, str(cut.run_dir / "train" / "adapter"))
-    trained = dict(resumed.model.named_parameters())
+    trained = dict(resumed.model.policy.named_parameters())
     for name, p in loaded.named_parameters():
         if "lora_B" in name:
             torch.testing.assert_close(p.float(), trained[name].float())
             assert p.abs().sum() > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm,extra", [
     ("grpo", {}),
     ("ppo", {"vf_coef": 0.1, "value_learning_rate": 1e-3}),
@@ -110,3 +430,43 @@ def test_learner_raises_reward_of_real_policy(tmp_path, algorithm, extra):
     print(f"{algorithm} reward curve: {curve}")
     share_i = [(r - 0.4) / 0.2 for r in curve]  # share of replies starting with "I"
     assert np.mean(share_i[-3:]) >= np.mean(share_i[:2]) + 0.3, curve
+
+
+# ---------------------------------------------------------------- the paper recipes
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "params").glob("paper-*.yaml"))
+RLVER_TRAIN_PROFILES = 500  # train_profile.jsonl of the RLVER release
+
+
+def test_there_are_eight_paper_recipes():
+    assert len(RECIPES) == 8
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_paper_recipe_runs_its_whole_sampler_schedule(recipe):
+    cfg = load_config(recipe)  # also refuses settings the learner would refuse
+    training = cfg.training
+    position, seen = 0, set()
+    for _ in range(training.steps):
+        indices, position = sample_scenario_indices(RLVER_TRAIN_PROFILES, position, training.scenarios_per_step,
+                                                    cfg.seed)
+        assert len(set(indices)) == training.scenarios_per_step  # run_rollouts needs unique scenarios
+        seen.update(indices)
+    assert len(seen) == RLVER_TRAIN_PROFILES
+    assert training.warmup_steps > 0 and training.weight_decay == 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_paper_recipe_takes_two_real_steps_on_the_embedded_policy(tmp_path, recipe):
+    torch.set_num_threads(2)
+    cfg = load_config(recipe, {
+        "output_root": str(tmp_path), "policy.model": EMBEDDED_POLICY, "policy.backend": "transformers",
+        "policy.max_new_tokens": 3, "simulator.backend": "rule", "rollout.max_turns": 2,
+        "training.steps": 2, "training.scenarios_per_step": 1})
+    rows = Trainer(cfg, _scenarios(2), simulator=RuleSimulator(starts_with_i)).train()
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["dialogues"] == cfg.training.group_size for r in rows)
+    assert rows[0]["learning_rate"] == pytest.approx(cfg.training.learning_rate / cfg.training.warmup_steps)
+    assert (cfg.run_dir / "train" / "adapter" / "adapter_config.json").is_file()
+    assert (cfg.run_dir / "train" / "checkpoints" / "step_000002" / "trainer_state.json").is_file()
