@@ -117,6 +117,44 @@ def _grammar_compiler(tokenizer, vocab_size: int, stop_ids: tuple[int, ...]):
     return xgr.GrammarCompiler(info)
 
 
+class SampledTokenLogprobs:
+    """A ``transformers`` logits processor that records, on the device, the log-prob
+    of each sampled token: ``log_softmax(scores / temperature)[token]`` per step.
+
+    Called with the scores of step ``t``, it keeps their log-softmax (``[B, V]``)
+    until step ``t + 1`` reveals the token that was drawn (``input_ids[:, -1]``), then
+    keeps only that ``[B]`` column; :meth:`finish` adds the last step's. So decoding
+    holds one step of ``[B, V]`` log-probs, not the logits of every step
+    (``output_logits``: ``B x steps x V``). Placed before any other custom processor,
+    it sees the model's logits before grammar masks; scores are returned unchanged.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.columns: list = []
+        self._last = None
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        if self._last is not None:
+            self.columns.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self._last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, new_tokens):
+        """``[B, steps]`` float32 log-probs of ``new_tokens`` (the generated ids)."""
+        import torch
+
+        step = len(self.columns)
+        if self._last is not None and step < new_tokens.shape[1]:
+            self.columns.append(self._last.gather(-1, new_tokens[:, step:step + 1]).squeeze(-1))
+            self._last = None
+        if not self.columns:
+            return torch.zeros(new_tokens.shape, dtype=torch.float32, device=new_tokens.device)
+        return torch.stack(self.columns, dim=1)[:, :new_tokens.shape[1]]
+
+
 class TransformersBackend:
     """Local Hugging Face chat model: batched, left-padded ``generate``.
 
@@ -136,16 +174,20 @@ class TransformersBackend:
     token when ``finish_reason == "stop"``) and ``logprobs``: for each completion
     id, ``log_softmax(logits / T)`` of the unconstrained model at the sampling
     temperature ``T`` (``T = 1`` for greedy) — what a training forward pass over
-    ``prompt_ids + completion_ids`` recomputes. With a ``json_schema`` the tokens
+    ``prompt_ids + completion_ids`` recomputes. They are recorded on the device
+    while decoding (:class:`SampledTokenLogprobs`: one step's ``[B, V]`` at a time,
+    never the logits of every step); ``return_logprobs=False`` skips them
+    (``logprobs`` is then ``None``). With a ``json_schema`` the tokens
     are drawn from the grammar-masked distribution (xgrammar logits processor,
     compact JSON without free whitespace).
     """
 
-    def __init__(self, model, tokenizer, *, device=None):
+    def __init__(self, model, tokenizer, *, device=None, return_logprobs: bool = True):
         import torch
 
         self.model = model
         self.tokenizer = tokenizer
+        self.return_logprobs = return_logprobs
         if device is not None:
             model.to(device)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -190,6 +232,7 @@ class TransformersBackend:
         Raises :class:`ValueError` on an empty conversation.
         """
         import torch
+        from transformers import LogitsProcessorList
 
         if not conversations:
             return []
@@ -206,12 +249,19 @@ class TransformersBackend:
         kwargs: dict[str, Any] = dict(
             max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
             pad_token_id=self.pad_id, eos_token_id=list(self.eos_ids),
-            return_dict_in_generate=True, output_logits=True, repetition_penalty=1.0,
+            return_dict_in_generate=True, repetition_penalty=1.0,
         )
         if not greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+        processors = LogitsProcessorList()
+        recorder = None
+        if self.return_logprobs:  # first, so it sees the logits before any grammar mask
+            recorder = SampledTokenLogprobs(1.0 if greedy else sampling.temperature)
+            processors.append(recorder)
         if json_schema is not None:
-            kwargs["logits_processor"] = self._json_processor(json_schema)
+            processors.extend(self._json_processor(json_schema))
+        if processors:
+            kwargs["logits_processor"] = processors
 
         was_training = self.model.training
         self.model.eval()
@@ -226,32 +276,21 @@ class TransformersBackend:
                 )
         finally:
             self.model.train(was_training)
-        new_tokens = out.sequences[:, width:].cpu()
-        logprobs = self._token_logprobs(out.logits, new_tokens, 1.0 if greedy else sampling.temperature)
+        new_tokens = out.sequences[:, width:]
+        logprobs = recorder.finish(new_tokens).cpu().tolist() if recorder is not None else None
+        new_tokens = new_tokens.cpu()
         return [
-            self._generation(prompts[row], new_tokens[row].tolist(), logprobs[row].tolist())
+            self._generation(prompts[row], new_tokens[row].tolist(), None if logprobs is None else logprobs[row])
             for row in range(len(prompts))
         ]
 
-    @staticmethod
-    def _token_logprobs(step_logits, new_tokens, temperature: float):
-        """``(batch, steps)`` log-probabilities of the sampled tokens at ``temperature``."""
-        import torch
-
-        columns = [
-            torch.log_softmax(logits.float().cpu() / temperature, dim=-1)
-            .gather(-1, new_tokens[:, step:step + 1]).squeeze(-1)
-            for step, logits in enumerate(step_logits)
-        ]
-        return torch.stack(columns, dim=1)
-
-    def _generation(self, prompt: list[int], new: list[int], logprobs: list[float]) -> Generation:
+    def _generation(self, prompt: list[int], new: list[int], logprobs: list[float] | None) -> Generation:
         end = next((i for i, tok in enumerate(new) if tok in self.eos_ids), None)
         cut = len(new) if end is None else end + 1
         completion = new[:cut]
         return Generation(
             text=self.tokenizer.decode(completion, skip_special_tokens=True),
-            prompt_ids=prompt, completion_ids=completion, logprobs=logprobs[:cut],
+            prompt_ids=prompt, completion_ids=completion, logprobs=None if logprobs is None else logprobs[:cut],
             finish_reason="length" if end is None else "stop",
             meta={"policy_step": self.policy_step},
         )

@@ -10,7 +10,9 @@ import json
 import re
 
 import pytest
+import torch
 
+from rlver_lib.algorithms import token_logprobs
 from rlver_lib.backends import Generation, SamplingParams
 from rlver_lib.config import PolicyConfig, SimulatorConfig
 from rlver_lib.rollout import RuleSimulator, TurnSample, parse_think, policy_messages, run_rollouts
@@ -213,12 +215,15 @@ def test_failed_opening_is_an_error_dialogue():
 def test_samples_hold_context_and_completion_ids():
     policy = ScriptedPolicy(lambda conv: "Why?")
     t, = run(policy, RuleSimulator(), [scenario("a")], max_turns=2)
+    assert [s.turn for s in t.samples] == [0, 1]
     for k, sample in enumerate(t.samples):
-        prompt = json.dumps(policy.seen[k])
-        assert sample.context_ids == [ord(c) for c in prompt] and sample.turn == k
-        assert sample.input_ids == sample.context_ids + sample.completion_ids
-        assert sample.loss_mask == [0] * len(prompt) + [1] * len("Why?")
-        assert "".join(chr(i) for i, m in zip(sample.input_ids, sample.loss_mask) if m) == "Why?"
+        text = json.dumps(policy.seen[k]) + "Why?"  # what the policy saw, then what it wrote
+        assert "".join(map(chr, sample.input_ids)) == text
+        assert [i for i, m in enumerate(sample.loss_mask) if m] == list(range(len(text) - 4, len(text)))
+        assert sample.old_logprobs == [-0.5] * 4
+    # turn 1's context is turn 0's conversation plus the reply and the user's answer, as ids
+    first, second = json.dumps(policy.seen[0]), "".join(map(chr, t.samples[1].context_ids))
+    assert second.startswith(first[:-1]) and '{"role": "assistant", "content": "Why?"}' in second
 
 
 def test_context_budget_ends_dialogue_before_an_oversized_turn():
@@ -237,6 +242,8 @@ def test_context_budget_ends_dialogue_before_an_oversized_turn():
 def test_turn_sample_mask_shapes():
     s = TurnSample("a#0", 0, [1, 2, 3], [4, 5], [-0.1, -0.2])
     assert s.input_ids == [1, 2, 3, 4, 5] and s.loss_mask == [0, 0, 0, 1, 1]
+    empty = TurnSample("a#0", 0, [7], [], [])
+    assert empty.input_ids == [7] and empty.loss_mask == [0]
 
 
 # --------------------------------------------------------------------------- real embedded policy
@@ -263,17 +270,44 @@ def test_mask_one_tokens_are_exactly_the_policys_turns(smollm2_backend, think):
         policy_turns = [x for x in t.transcript if x["role"] == "assistant"]
         assert len(t.samples) == len(policy_turns) == 2
         for k, (sample, turn) in enumerate(zip(t.samples, policy_turns)):
-            generated = [i for i, m in zip(sample.input_ids, sample.loss_mask) if m]
-            assert generated == sample.completion_ids and len(sample.old_logprobs) == len(generated)
-            assert tok.decode(generated, skip_special_tokens=True) == turn["raw"]
             # the mask-0 part is exactly the chat template of the visible history before this turn
             visible = [{"role": x["role"], "content": x["content"]} for x in t.transcript[: 2 * k + 1]]
             expected = tok.apply_chat_template(policy_messages(by_id[t.scenario_id], visible, think),
                                                add_generation_prompt=True, tokenize=True, return_dict=False)
             assert sample.context_ids == list(expected)
+            assert [i for i, m in enumerate(sample.loss_mask) if m] == list(range(len(expected), len(sample.input_ids)))
+            assert tok.decode(sample.input_ids[len(expected):], skip_special_tokens=True) == turn["raw"]
+            # the ids after the context are the ones sampled: their recorded log-probs are the
+            # model's own at those positions (teacher-forced, temperature 1, fp32)
+            ids = torch.tensor([sample.input_ids])
+            with torch.no_grad():
+                scored = token_logprobs(smollm2_backend.model(input_ids=ids).logits, ids)[0, len(expected) - 1:]
+            torch.testing.assert_close(torch.tensor(sample.old_logprobs), scored, atol=1e-4, rtol=0)
             assert all(v in tok.decode(sample.context_ids) for v in (m["content"] for m in visible))
             if think and turn["thought"] and k == 0:
                 assert turn["thought"] not in tok.decode(t.samples[1].context_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_backend_logprobs_are_the_models_at_the_sampling_temperature(smollm2_backend):
+    from rlver_lib.backends import TransformersBackend
+
+    conversations = [[{"role": "user", "content": "My sister ignored my birthday."}],
+                     [{"role": "user", "content": "Work is too much lately, I can't sleep."}]]
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=9, seed=3)
+    for g in smollm2_backend.generate(conversations, sampling):  # batched, left-padded, KV cache
+        ids = torch.tensor([g.prompt_ids + g.completion_ids])
+        with torch.no_grad():
+            logits = smollm2_backend.model(input_ids=ids).logits / 0.7
+        scored = token_logprobs(logits, ids)[0, len(g.prompt_ids) - 1:]
+        assert len(g.logprobs) == len(g.completion_ids) > 0
+        torch.testing.assert_close(torch.tensor(g.logprobs), scored, atol=1e-4, rtol=0)
+    quiet = TransformersBackend(smollm2_backend.model, smollm2_backend.tokenizer, return_logprobs=False)
+    plain = quiet.generate(conversations, sampling)
+    assert all(g.logprobs is None for g in plain)
+    assert [g.completion_ids for g in plain] == [g.completion_ids for g in smollm2_backend.generate(conversations,
+                                                                                                   sampling)]
 
 
 @pytest.mark.slow
