@@ -132,9 +132,11 @@ def sample_turns(turns: Sequence[ReplayTurn], n: int | None, seed: int) -> list[
 
 
 def appraise_turns(simulator: Any, turns: Sequence[ReplayTurn], scenarios: dict[str, Any], *,
-                   batch_size: int = 8, progress: bool = True, desc: str = "judge appraisals") -> list[int | None]:
+                   batch_size: int = 8, progress: bool = True, desc: str = "judge appraisals",
+                   errors: list[str | None] | None = None) -> list[int | None]:
     """Our judge's change (after the update rule's clamp) for each turn; ``None`` where
-    the appraisal failed after its retries.
+    the appraisal failed after its retries (its reason appended to ``errors`` when
+    given, ``None`` for the turns that worked).
 
     Uses ``simulator.appraise`` (appraisal only) when it has one, else ``simulator.step``;
     ``batch_size`` requests per call, with a progress bar.
@@ -151,7 +153,10 @@ def appraise_turns(simulator: Any, turns: Sequence[ReplayTurn], scenarios: dict[
             results = {r.dialogue_id: r for r in call(requests)}
             for request in requests:
                 result = results[request.dialogue_id]
-                changes.append(None if result.error is not None or result.change is None else int(result.change))
+                failed = result.error is not None or result.change is None
+                changes.append(None if failed else int(result.change))
+                if errors is not None:
+                    errors.append((result.error or "no change") if failed else None)
             bar.update(len(batch))
     return changes
 
@@ -265,7 +270,7 @@ def judge_agreement(turns: Sequence[ReplayTurn], scenarios: dict[str, Any], simu
     turns whose appraisal failed, left out), plus ``floor_rule`` (the same metrics for
     ``floor``, default the rule simulator, on the same turns), ``control_shuffled``
     (:func:`shuffled_control`) and ``turns`` (one row per turn: ``dialogue, turn,
-    emotion_before, recorded, judge, rule``).  Raises ``ValueError`` when no turn was
+    emotion_before, recorded, judge, rule, error``).  Raises ``ValueError`` when no turn was
     appraised.
     """
     from rlver_lib.simulator import RuleSimulator
@@ -273,11 +278,14 @@ def judge_agreement(turns: Sequence[ReplayTurn], scenarios: dict[str, Any], simu
     turns = list(turns)
     if not turns:
         raise ValueError("judge_agreement: no replayable turns")
-    ours = appraise_turns(simulator, turns, scenarios, batch_size=batch_size, progress=progress)
+    errors: list[str | None] = []
+    ours = appraise_turns(simulator, turns, scenarios, batch_size=batch_size, progress=progress, errors=errors)
     rule = appraise_turns(floor or RuleSimulator(), turns, scenarios, batch_size=len(turns), progress=False)
     ok = [i for i, c in enumerate(ours) if c is not None]
     if not ok:
-        raise ValueError(f"judge_agreement: every one of the {len(turns)} appraisals failed")
+        first = next((e for e in errors if e), "unknown")
+        raise ValueError(f"judge_agreement: every one of the {len(turns)} appraisals failed; the first: "
+                         f"{first[:600]}")
     recorded = [turns[i].recorded_change for i in ok]
     clusters = [turns[i].dialogue for i in ok]
     boot = dict(n_boot=n_boot, confidence=confidence, seed=seed)
@@ -286,8 +294,8 @@ def judge_agreement(turns: Sequence[ReplayTurn], scenarios: dict[str, Any], simu
     result["floor_rule"] = agreement_metrics(recorded, [rule[i] for i in ok], clusters, **boot)
     result["control_shuffled"] = shuffled_control(recorded, [ours[i] for i in ok], seed=seed)
     result["turns"] = [{"dialogue": t.dialogue, "turn": t.turn, "emotion_before": t.emotion_before,
-                        "recorded": t.recorded_change, "judge": c, "rule": r}
-                       for t, c, r in zip(turns, ours, rule)]
+                        "recorded": t.recorded_change, "judge": c, "rule": r, "error": e}
+                       for t, c, r, e in zip(turns, ours, rule, errors)]
     return result
 
 

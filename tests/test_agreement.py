@@ -101,6 +101,24 @@ def test_two_dialogue_case_with_known_rho_and_mae(two_file):
     assert result["floor_rule"]["spearman"] is None  # a constant judge has no rank correlation
 
 
+def test_failed_appraisals_are_left_out_and_their_reasons_kept(two_file):
+    class FailsOnZeroTurn(ScriptedJudge):
+        def appraise(self, requests):
+            out = super().appraise(requests)
+            for turn, r in zip(out, requests):
+                if r.history[-1]["content"] == "c=4":
+                    turn.change, turn.error = None, "appraisal unusable after retries: invalid JSON"
+            return out
+
+    turns, scenarios = load_replay([two_file])
+    result = judge_agreement(turns, scenarios, FailsOnZeroTurn(), n_boot=50, progress=False)
+    assert (result["n_turns"], result["n_failed"]) == (4, 1)
+    # without the (0 recorded, 4 ours) turn: |2-5| + |-1+3| + |-2+6| + |10-8| = 11 over 4
+    assert result["mae"] == pytest.approx(11 / 4)
+    assert [t["error"] for t in result["turns"]] == [None, None, "appraisal unusable after retries: invalid JSON",
+                                                     None, None]
+
+
 def test_intervals_resample_dialogues_and_control_is_near_chance():
     rng = np.random.default_rng(0)
     recorded = rng.integers(-10, 11, size=300)
