@@ -1188,6 +1188,7 @@ def eval_command(cfg: Any, *, label: str | None = None) -> int:
           f"errors {s.n_error} ({100 * s.error_rate:.0f}%; score {s.score_errors_at_last:.1f} with them at their "
           f"last emotion, {s.score_errors_as_zero:.1f} as 0), context-budget stops {s.n_context_limit}, "
           f"mean turns {s.mean_turns.value:.2f}, protocol {cfg.evaluation.protocol} -> {ev.benchmark.out_dir}")
+    print("judge: " + judge_label(judge_description(cfg.evaluation.judge, judge_seed(cfg.evaluation, cfg.seed))))
     if ev.math is not None:
         print("capability retention: " + json.dumps({k: v for k, v in ev.math.items() if k != "lm_eval"}))
     if ev.paired is not None:

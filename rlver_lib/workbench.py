@@ -715,7 +715,9 @@ def run_ablation(path: str | Path, overrides: list[str] | None = None,
 
     Cells whose manifest says ``complete`` are skipped (unfinished ones resume
     stage by stage). Returns ``outputs/<grid_name>/report.html``. Raises
-    :class:`ConfigError` on a bad grid and :class:`PipelineError` when a cell fails.
+    :class:`ConfigError` on a bad grid or one whose cells would be judged differently
+    (``evaluation.judge`` / protocol settings vary), and :class:`PipelineError` when a
+    cell fails or the cells' recorded judges differ.
     """
     grid, cells = load_grid(path, overrides)
     grid_dir = (Path(grid.output_root) / grid.name).resolve()
