@@ -841,8 +841,12 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
         rule = ("every policy reply appraised" if protocol.get("name") == "full"
                 else f"{protocol.get('max_policy_turns')} policy replies, the first "
                      f"{protocol.get('appraised_turns')} appraised (SAGE's turn rule)")
+        parity = ""
+        if protocol.get("name") == "sage" and first.get("n_scenarios", 0) != 100:
+            parity = (f" Leaderboard parity also needs SAGE's 100 test profiles as `scenarios.test` "
+                      f"(this run: {first.get('n_scenarios')} scenarios).")
         lines.append(f"- Protocol: `{protocol.get('name')}` — start emotion {protocol.get('initial_emotion')}, "
-                     f"{rule}, {protocol.get('repeats', 1)} dialogue(s) per scenario.")
+                     f"{rule}, {protocol.get('repeats', 1)} dialogue(s) per scenario.{parity}")
     if wall_s is not None:
         lines.append(f"- Wall time: {wall_s / 60:.1f} min ({wall_s:.0f} s).")
     return "\n".join(lines)

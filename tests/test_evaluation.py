@@ -470,3 +470,26 @@ def test_evaluate_uses_the_judge_not_the_training_simulator(tmp_path, monkeypatc
     assert text.startswith("## Headline") and f"{np.mean(expected):+.1f} emotion points" in text
     assert "n = 3 scenarios &lt; 10" in text or "n = 3 scenarios < 10" in text
     assert "rule simulator" in text and "Protocol: `full`" in text and "2.1 min" in text
+
+
+def test_headline_shows_intervals_from_ten_scenarios_on(tmp_path):
+    from rlver_lib.evaluation import headline_markdown, write_paired, write_summary
+    from rlver_lib.io import write_jsonl
+
+    proto = {"name": "sage", "initial_emotion": 40, "max_policy_turns": 10, "appraised_turns": 9, "repeats": 1}
+    judge = {"backend": "openai", "model": "judge-7b", "base_url": "http://h/v1", "difficulty": "moderate",
+             "temperature": 0.7, "seed": 3}
+    for label in ("baseline", "trained"):
+        records = [_scored(f"s{i}", 0, 30 + 2 * i + ((6 if i % 4 else -2) if label == "trained" else 0))
+                   for i in range(12)]
+        write_jsonl(tmp_path / "eval" / label / "dialogues.jsonl", records)
+        write_summary(summarize(records, n_boot=100), tmp_path / "eval" / label, label,
+                      {"judge": judge, "protocol": proto})
+    pc = write_paired(tmp_path, n_boot=200)
+    # 9 scenarios +6, 3 scenarios -2: mean (54 - 6) / 12 = 4
+    assert pc.difference.mean_diff == pytest.approx(4.0) and pc.difference.n_scenarios == 12
+    text = headline_markdown(tmp_path)
+    assert "+4.0 emotion points" in text and "not evidence" not in text and "color:#888" not in text
+    assert f"[{pc.difference.ci_low:+.1f}, {pc.difference.ci_high:+.1f}]" in text
+    assert "`judge-7b` through `openai` at http://h/v1, moderate difficulty" in text
+    assert "Protocol: `sage`" in text and "SAGE's 100 test profiles" in text
