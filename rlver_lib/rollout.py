@@ -210,11 +210,6 @@ class Trajectory:
             "policy_turns": sum(t["role"] == "assistant" for t in self.transcript),
         }
 
-    @property
-    def turns(self) -> list[dict[str, Any]]:
-        """Old name of :attr:`transcript`, kept for callers written before the rename."""
-        return self.transcript
-
 
 def record_transcript(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The transcript entries of a dialogue record: ``transcript``, or ``turns`` in
