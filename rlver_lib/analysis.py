@@ -1619,9 +1619,12 @@ def sycophancy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge
     policy_cfg = cfg.policy.model_copy(update={"adapter": str(adapter) if (adapter / "adapter_config.json").is_file()
                                                else None})
     model, tokenizer = load_policy(policy_cfg)
+    import torch
+
+    if torch.cuda.is_available():  # GPU recipes: a 7B policy does not generate on CPU
+        model.to("cuda")
     backend = TransformersBackend(model, tokenizer)
-    sampling = SamplingParams(temperature=cfg.policy.temperature, top_p=cfg.policy.top_p,
-                              max_new_tokens=cfg.policy.max_new_tokens, seed=cfg.seed)
+    sampling = cfg.policy.sampling(cfg.seed)
     kwargs = {"n_samples": cfg.analysis.sycophancy_samples, "sampling": sampling, "think": cfg.policy.think,
               "seed": cfg.seed}
     parts = []
