@@ -9,14 +9,16 @@ conversion (73 s, 5.7 GB peak, a 3.55 GB folder), about 2.5 min of start-up and
 little; what is checked is the plumbing a paper run depends on:
 
 - every simulator call is answered with JSON that validates against its schema
-  (the server enforces ``response_format: json_schema``), so every record is valid:
+  (the server enforces ``response_format: json_schema``; short field caps,
+  ``simulator.appraisal_chars`` 24 and ``message_chars`` 48, keep each answer to a
+  few dozen tokens), so every record is valid:
   no error, each appraisal has its fields, each emotion follows the update rule;
 - per-conversation seeds are honoured by the server: the same benchmark seed gives
   the same records, another simulator seed gives other outputs;
 - a clean shutdown: the server's process group (API server + engine core) is gone,
   nothing is left listening on the port, and no child process of the test survives.
 
-Runtime: one server start (about 1 min on 2 cores) and three benchmark passes.
+Runtime: one server start (1-3 min on 2 cores), two benchmark passes and four short requests.
 """
 
 from __future__ import annotations
@@ -33,8 +35,13 @@ import jsonschema  # noqa: E402
 
 from rlver_lib.config import SamplingParams, build_config  # noqa: E402
 from rlver_lib.evaluation import run_benchmark  # noqa: E402
-from rlver_lib.simulator import APPRAISAL_SCHEMA, REPLY_SCHEMA, UserSimulator, apply_change  # noqa: E402
+from rlver_lib.simulator import UserSimulator, apply_change, appraisal_schema, reply_schema  # noqa: E402
 from rlver_lib.vllm_backend import VLLMServer  # noqa: E402
+
+#: Short free-text fields (characters) keep each structured answer to a few dozen tokens.
+FIELD_CHARS, MESSAGE_CHARS = 24, 48
+APPRAISAL = appraisal_schema(FIELD_CHARS)
+REPLY = reply_schema(FIELD_CHARS, MESSAGE_CHARS)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(VLLM_TEST_TIMEOUT_S)]
 
@@ -81,7 +88,8 @@ def _cfg(server, seed):
     return build_config({
         "seed": seed,
         "simulator": {"backend": "openai", "base_url": server.base_url, "model": server.served_model_name,
-                      "temperature": 0.7, "max_new_tokens": 200, "concurrency": 2, "max_retries": 1,
+                      "temperature": 0.7, "max_new_tokens": 96, "concurrency": 2, "max_retries": 1,
+                      "appraisal_chars": FIELD_CHARS, "message_chars": MESSAGE_CHARS,
                       "timeout_s": 300},
         "evaluation": {"max_turns": 2, "bootstrap_samples": 20},
     })
@@ -96,7 +104,7 @@ def _benchmark(server, policy, out_dir, *, seed, simulator_seed):
     try:
         simulator = UserSimulator(backend, cfg.simulator, seed=simulator_seed)
         result = run_benchmark(policy, simulator, load_scenarios("builtin:test")[:2], cfg.evaluation,
-                               sampling=SamplingParams(temperature=1.0, max_new_tokens=24, seed=seed),
+                               sampling=SamplingParams(temperature=1.0, max_new_tokens=16, seed=seed),
                                think=False, seed=seed, out_dir=out_dir, label="served", progress=False)
     finally:
         backend.close()
@@ -128,9 +136,9 @@ def test_served_simulator_runs_a_benchmark_with_valid_records(server, policy, tm
             # dialogue goes on) the reply, each JSON valid under the schema it was sent with
             assert turn["error"] is None and turn["failures"] == [], turn
             assert 1 <= turn["attempts"] == len(turn["raw_outputs"]) <= 2, turn
-            jsonschema.validate(json.loads(turn["raw_outputs"][0]), APPRAISAL_SCHEMA)
+            jsonschema.validate(json.loads(turn["raw_outputs"][0]), APPRAISAL)
             if len(turn["raw_outputs"]) == 2:
-                jsonschema.validate(json.loads(turn["raw_outputs"][1]), REPLY_SCHEMA)
+                jsonschema.validate(json.loads(turn["raw_outputs"][1]), REPLY)
                 assert turn["content"] == json.loads(turn["raw_outputs"][1])["message"]
             assert (turn["change"], turn["emotion"]) == apply_change(turn["emotion_before"], turn["raw_change"])
         assert record["final_emotion"] == user_turns[-1]["emotion"]
@@ -139,6 +147,12 @@ def test_served_simulator_runs_a_benchmark_with_valid_records(server, policy, tm
     again = _benchmark(server, policy, tmp_path / "b", seed=0, simulator_seed=7)
     assert _raw_outputs(again) == _raw_outputs(records)
     assert [r["final_emotion"] for r in again] == [r["final_emotion"] for r in records]
-    # ... and another simulator seed samples other outputs
-    other = _benchmark(server, policy, tmp_path / "c", seed=0, simulator_seed=8)
-    assert _raw_outputs(other) != _raw_outputs(records)
+    # ... and the server samples with the seed it is sent: same seed, same text; other seeds, other
+    # texts (a short schema-constrained reply)
+    from rlver_lib.models import make_simulator_backend
+
+    conversation = [{"role": "user", "content": "Describe your day in one sentence."}]
+    with make_simulator_backend(_cfg(server, 0).simulator, seed=0) as backend:
+        texts = [backend.generate([conversation], SamplingParams(temperature=1.0, max_new_tokens=32, seed=seed),
+                                  json_schema=REPLY)[0].text for seed in (1, 1, 2, 3)]
+    assert texts[0] == texts[1] and len(set(texts[1:])) == 3, texts
