@@ -62,7 +62,7 @@ import hashlib
 import json
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from importlib import resources
 from pathlib import Path
@@ -596,9 +596,7 @@ def _add_unappraised_reply(policy_backend: ChatBackend, trajectories: list[Any],
         keep.append(t)
     if not convs:
         return
-    generations = policy_backend.generate(convs, SamplingParams(
-        temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens,
-        seed=derive_seed(seed, "policy", appraised_turns)))
+    generations = policy_backend.generate(convs, replace(sampling, seed=derive_seed(seed, "policy", appraised_turns)))
     for t, g in zip(keep, generations):
         parsed = parse_think(g.text) if think else None
         t.transcript.append({"role": "assistant", "content": parsed.reply if parsed else g.text.strip(),
