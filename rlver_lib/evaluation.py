@@ -662,8 +662,12 @@ def run_benchmark(
             format_violation=format_violation, progress=progress,
         )
         fatal = getattr(judge_k, "fatal_error", None)
-        if fatal:
-            raise RuntimeError(f"the judge's backend died during the benchmark: {fatal}")
+        if fatal:  # keep what was played (the dialogues in flight end with `error`), then stop
+            write_jsonl(Path(out_dir) / "dialogues.jsonl", records + [
+                {**t.to_record(), "label": label, "repeat": k, "seed": seed_k, "protocol": protocol["name"],
+                 **_scenario_fields(by_id[t.scenario_id])} for t in trajectories])
+            raise RuntimeError(f"the judge's backend died during the benchmark: {fatal}; the dialogues played "
+                               f"so far are in {Path(out_dir) / 'dialogues.jsonl'}")
         if protocol["name"] == "sage":
             _add_unappraised_reply(policy_backend, trajectories, by_id, appraised_turns=appraised_turns,
                                    think=think, sampling=sampling, seed=seed_k,
