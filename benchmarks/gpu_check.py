@@ -247,7 +247,7 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
                    "max_new_tokens": (args.max_new_tokens, args.max_new_tokens, 96)[pick],
                    "max_context_tokens": 1024, "gpu_memory_utilization": 0.25},
         "simulator": {"backend": "rule"},
-        "rollout": {"max_turns": (1, 2, 4)[pick], "batch_size": (2, 8, 64)[pick]},
+        "rollout": {"max_turns": (1, 2, 4)[pick]},
         "training": {"algorithm": "grpo", "steps": args.steps, "scenarios_per_step": (1, 2, 16)[pick],
                      "group_size": (2, 2, 4)[pick], "mini_batch_size": (2, 8, 16)[pick],
                      "checkpoint_every": 1000, "learning_rate": 1e-4},
