@@ -75,5 +75,7 @@ $(VLLM_BIN)/.vllm-ok: pyproject.toml
 
 vllm-setup: $(VLLM_BIN)/.vllm-ok
 
-test-vllm: vllm-setup
-	RLVER_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest -q -rs tests/test_vllm_*.py $(VLLM_CORE_TESTS)
+# the core tests' llama-server is the main environment's native build
+test-vllm: vllm-setup native
+	RLVER_REQUIRE_VLLM=1 RLVER_NATIVE_DIR=$(abspath $(VENV))/llama.cpp \
+	  $(VLLM_BIN)/python -m pytest -q -rsx tests/test_vllm_*.py $(VLLM_CORE_TESTS)
