@@ -779,6 +779,9 @@ class Trainer:
                                f"config asks for {self.training.algorithm!r}")
         self.checkpoints.load(path)
         self.step, self.data_position = int(state["step"]), int(state["data_position"])
+        sync = getattr(self.policy_backend, "sync_policy", None)
+        if sync is not None:  # a fresh rollout engine must sample from the restored adapter
+            sync(self.model.policy, self.step)
         metrics = self.out_dir / "metrics.jsonl"
         if metrics.is_file():
             self.history = [row for _, row in iter_jsonl(metrics) if row["step"] <= self.step]
