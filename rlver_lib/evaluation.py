@@ -63,14 +63,12 @@ import json
 import re
 import sys
 from dataclasses import asdict, dataclass, field, replace
-from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
 from rlver_lib.backends import ChatBackend, SamplingParams, derive_seed
 from rlver_lib.io import atomic_write_json, atomic_write_text, iter_jsonl, write_jsonl
@@ -973,149 +971,6 @@ def sage_score_command(paths: Sequence[str | Path], as_json: bool = False) -> in
         print(f"{row.file}: protocol {row.protocol} ({what}; {row.appraised_replies} of "
               f"{row.policy_replies} replies appraised)")
     return 0
-
-
-# --------------------------------------------------------------------------- capability retention
-
-MATH_PROMPT = (
-    "Solve the following problem. Think briefly, then give only the final answer "
-    "as \\boxed{{answer}} (an integer or a fraction a/b).\n\nProblem: {problem}"
-)
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*-?\d+)?")
-
-
-@dataclass(frozen=True)
-class MathProblem:
-    """One problem with its exact answer (an integer or a fraction ``a/b``)."""
-
-    id: str
-    problem: str
-    answer: str
-
-
-def load_math_problems(path: str | Path | None = None, limit: int | None = None) -> list[MathProblem]:
-    """The shipped retention set (``rlver_lib/data/math_retention.jsonl``) or ``path``.
-
-    Raises ``ValueError`` naming the line when a record lacks a field or its answer
-    does not parse as an exact number.
-    """
-    source = Path(path) if path else Path(str(resources.files("rlver_lib") / "data" / "math_retention.jsonl"))
-    problems = []
-    for line, rec in iter_jsonl(source):
-        try:
-            problem = MathProblem(str(rec["id"]), str(rec["problem"]), str(rec["answer"]))
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"{source}:{line}: missing field {err}") from None
-        if parse_number(problem.answer) is None:
-            raise ValueError(f"{source}:{line}: answer {problem.answer!r} is not an exact number")
-        problems.append(problem)
-    return problems[:limit]
-
-
-def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
-
-
-def parse_number(text: str) -> Fraction | None:
-    """An exact number from ``text``: ``12``, ``-3``, ``1,000``, ``0.75``, ``3/4``,
-    ``\\frac{3}{4}`` / ``\\dfrac{3}{4}``; ``None`` when it is not exactly one number."""
-    s = text.strip().strip("$ .").replace("\\!", "").replace(" ", "")
-    frac = re.fullmatch(r"(-?)\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}", s)
-    if frac:
-        sign, num, den = frac.groups()
-        s = f"{sign}{num}/{den}"
-    if not re.fullmatch(r"-?\d[\d,]*(\.\d+)?(/-?\d+)?", s):
-        return None
-    try:
-        return Fraction(s.replace(",", ""))
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def extract_answer(text: str) -> Fraction | None:
-    """The final answer of a model output: the last ``\\boxed{...}`` if any, else the
-    last number in the text (integers, decimals, ``a/b``); ``None`` if neither."""
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return parse_number(boxed)
-    numbers = _NUMBER.findall(text)
-    return parse_number(numbers[-1]) if numbers else None
-
-
-@dataclass
-class MathResult:
-    """Capability-retention outcome: per-problem table and accuracy (share correct, [0, 1])."""
-
-    accuracy: Estimate
-    table: pd.DataFrame = field(repr=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (what ``eval/<label>/math.json`` holds)."""
-        return {"accuracy": asdict(self.accuracy), "items": self.table.to_dict(orient="records")}
-
-
-def math_retention(
-    policy_backend: ChatBackend,
-    problems: Sequence[MathProblem],
-    *,
-    max_new_tokens: int = 64,
-    seed: int = 0,
-    batch_size: int = 8,
-    n_boot: int = 1000,
-    confidence: float = 0.95,
-) -> MathResult:
-    """Greedy answers to ``problems``, scored by exact match of :func:`extract_answer`
-    against the reference answer; accuracy with a bootstrap interval.
-
-    Raises ``ValueError`` when ``problems`` is empty.
-    """
-    if not problems:
-        raise ValueError("math_retention needs at least one problem")
-    sampling = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
-    outputs: list[str] = []
-    for start in tqdm(range(0, len(problems), batch_size), desc="math retention"):
-        batch = problems[start:start + batch_size]
-        convs = [[{"role": "user", "content": MATH_PROMPT.format(problem=p.problem)}] for p in batch]
-        outputs += [g.text for g in policy_backend.generate(convs, sampling)]
-    predicted = [extract_answer(o) for o in outputs]
-    correct = [pred is not None and pred == parse_number(p.answer) for p, pred in zip(problems, predicted)]
-    table = pd.DataFrame({
-        "id": [p.id for p in problems],
-        "answer": [p.answer for p in problems],
-        "predicted": [None if x is None else str(x) for x in predicted],
-        "correct": correct,
-        "output": outputs,
-    })
-    acc = bootstrap_ci(np.array(correct, dtype=float), n_boot=n_boot, confidence=confidence, seed=seed)
-    return MathResult(acc, table)
-
-
-def _math_accuracy(result: MathResult | str | Path) -> dict[str, Any]:
-    if isinstance(result, MathResult):
-        return asdict(result.accuracy) | {"n": len(result.table)}
-    data = json.loads(Path(result).read_text(encoding="utf-8"))
-    return data["accuracy"] | {"n": len(data["items"])}
-
-
-def compare_math(base: MathResult | str | Path, trained: MathResult | str | Path) -> pd.DataFrame:
-    """Base vs trained policy side by side (paper §5: skills are kept): rows ``base`` and ``trained`` with
-    ``accuracy, low, high, n``, and the ``delta`` (trained minus base) column.
-    Accepts results or paths to their ``math.json``."""
-    rows = {name: _math_accuracy(r) for name, r in (("base", base), ("trained", trained))}
-    table = pd.DataFrame(rows).T.rename(columns={"value": "accuracy"})[["accuracy", "low", "high", "n"]]
-    table["delta"] = [0.0, float(table.loc["trained", "accuracy"] - table.loc["base", "accuracy"])]
-    return table
-
-
-# --------------------------------------------------------------------------- rlver eval
 
 
 @dataclass

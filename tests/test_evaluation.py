@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +16,6 @@ from rlver_lib.evaluation import (
     BREAKDOWN_FACTORS,
     RecordError,
     bootstrap_ci,
-    compare_math,
-    extract_answer,
-    load_math_problems,
-    math_retention,
     run_benchmark,
     sage_score,
     sage_score_command,
@@ -222,62 +217,6 @@ def test_run_benchmark_with_rule_simulator(tmp_path):
     assert pd.read_csv(tmp_path / "breakdown.csv").groupby("factor")["n"].sum().tolist() == [3, 3, 3]
     assert sage_score([tmp_path / "dialogues.jsonl"])["sentient_score"].iloc[0] == pytest.approx(170 / 3)
     assert {r["language"] for r in result.records} == {"zh"}
-
-
-# --------------------------------------------------------------------------- maths
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("so the answer is \\boxed{42}.", Fraction(42)),
-    ("\\boxed{\\frac{3}{4}}", Fraction(3, 4)),
-    ("We get \\boxed{\\dfrac{-1}{6}} in the end", Fraction(-1, 6)),
-    ("first 3, then 12, finally 7/8", Fraction(7, 8)),
-    ("It costs 1,024 dollars.", Fraction(1024)),
-    ("x = -2.5", Fraction(-5, 2)),
-    ("\\boxed{12} but later 13", Fraction(12)),
-    ("\\boxed{x+1}", None),
-    ("no numbers here", None),
-])
-def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
-
-
-class ScriptedSolver:
-    """Answers the problems whose id is in ``right`` correctly (boxed), others wrongly."""
-
-    def __init__(self, problems, right):
-        self.problems, self.right = problems, set(right)
-
-    def generate(self, conversations, sampling, json_schema=None):
-        assert sampling.temperature == 0.0
-        out = []
-        for conv in conversations:
-            p = next(q for q in self.problems if q.problem in conv[-1]["content"])
-            out.append(Generation(text=f"\\boxed{{{p.answer}}}" if p.id in self.right else "It is 99999."))
-        return out
-
-
-def test_math_set_and_retention_accuracy():
-    problems = load_math_problems()
-    assert len(problems) >= 40
-    assert len({p.id for p in problems}) == len(problems)
-    subset = problems[:10]
-    even = [p.id for i, p in enumerate(subset) if i % 2 == 0]
-    half = math_retention(ScriptedSolver(subset, even), subset, max_new_tokens=16, seed=0, n_boot=200)
-    assert half.accuracy.value == pytest.approx(0.5)
-    assert half.table["correct"].tolist() == [i % 2 == 0 for i in range(10)]
-    full = math_retention(ScriptedSolver(subset, [p.id for p in subset]), subset, seed=0, n_boot=200)
-    table = compare_math(half, full)
-    assert table.loc["base", "accuracy"] == pytest.approx(0.5)
-    assert table.loc["trained", "accuracy"] == pytest.approx(1.0)
-    assert table.loc["trained", "delta"] == pytest.approx(0.5)
-
-
-def test_math_loader_rejects_inexact_answer(tmp_path):
-    bad = tmp_path / "m.jsonl"
-    bad.write_text('{"id": "a", "problem": "p", "answer": "pi"}\n', encoding="utf-8")
-    with pytest.raises(ValueError, match="m.jsonl:1"):
-        load_math_problems(bad)
 
 
 # --------------------------------------------------------------------------- judge, protocols, errors, pairing
