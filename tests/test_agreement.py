@@ -18,7 +18,7 @@ from rlver_lib.agreement import (
     sample_turns,
 )
 from rlver_lib.cli import main
-from rlver_lib.simulator import RuleSimulator, SimulatorTurn, apply_change, label_for
+from rlver_lib.simulator import SimulatorTurn, apply_change, label_for
 
 SHARED = Path(os.environ.get("RLVER_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 SAGE = SHARED / "sage_results"
@@ -83,7 +83,8 @@ def test_two_dialogue_case_with_known_rho_and_mae(two_file):
     # signs agree on 4 of 5 turns (0 vs +4 disagrees)
     assert result["sign_agreement"] == pytest.approx(0.8)
     r, o = np.array([5, -3, 0, -6, 8.0]), np.array([2, -1, 4, -2, 10.0])
-    pearson = ((r - r.mean()) * (o - o.mean())).sum() / np.sqrt(((r - r.mean()) ** 2).sum() * ((o - o.mean()) ** 2).sum())
+    dr, do = r - r.mean(), o - o.mean()
+    pearson = (dr * do).sum() / np.sqrt((dr ** 2).sum() * (do ** 2).sum())
     assert result["pearson"] == pytest.approx(pearson)
     assert (result["n_turns"], result["n_dialogues"], result["n_failed"]) == (5, 2, 0)
     counts = dict(zip(result["confusion"]["buckets"], result["confusion"]["counts"]))
