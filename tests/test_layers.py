@@ -141,9 +141,10 @@ def test_every_module_has_one_layer():
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "cycles still held in files under rewrite: evaluation.evaluate() imports analysis and capability, "
-    "which import evaluation (evaluate() belongs in the pipeline layer); vllm_backend.VLLMBackend.from_config "
-    "imports models.policy_model_path while models.make_policy_backend imports vllm_backend"))
+    "cycles still held in files under rewrite: evaluation.evaluate() imports analysis, which imports "
+    "evaluation (evaluate() belongs in the pipeline layer); vllm_backend.VLLMBackend.from_config imports "
+    "models.policy_model_path while models.make_policy_backend imports vllm_backend (from_config should take "
+    "the resolved model path)"))
 def test_import_graph_has_no_cycle():
     cycles = find_cycles(import_graph())
     assert cycles == [], f"modules that import each other (directly or through others): {cycles}"
