@@ -59,7 +59,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     cfg = _load(args.params, args.set)
-    from .evaluation import eval_command
+    from .workbench import eval_command
 
     return eval_command(cfg)
 

@@ -78,8 +78,8 @@ from rlver_lib.stats import MIN_N, Estimate, bootstrap_ci, cluster_bootstrap_ci,
 
 __all__ = [
     "BREAKDOWN_FACTORS", "BenchmarkResult", "BenchmarkSummary", "DialogueView", "Estimate",
-    "Evaluation", "JudgeMismatchError", "RecordError", "bootstrap_ci", "build_judge", "build_simulator",
-    "check_same_judge", "describe_paired", "dialogue_view", "error_statement", "evaluate", "headline_markdown",
+    "JudgeMismatchError", "RecordError", "bootstrap_ci", "build_judge", "build_simulator",
+    "check_same_judge", "describe_paired", "dialogue_view", "error_statement", "headline_markdown",
     "headline_table", "judge_description", "styled_breakdown",
     "load_records", "paired_comparison", "run_benchmark", "sage_score", "summarize", "transcript_protocol",
     "write_paired",
@@ -970,90 +970,4 @@ def sage_score_command(paths: Sequence[str | Path], as_json: bool = False) -> in
                 if row.protocol == "sage" else "every policy reply was appraised")
         print(f"{row.file}: protocol {row.protocol} ({what}; {row.appraised_replies} of "
               f"{row.policy_replies} replies appraised)")
-    return 0
-
-
-@dataclass
-class Evaluation:
-    """One evaluated policy: the benchmark result, the capability-retention figures
-    (``capability.json`` content, :func:`rlver_lib.capability.run_retention`; ``None``
-    when ``capability.enabled`` is false) and, for a non-baseline label in a run with a
-    baseline, the paired comparison."""
-
-    benchmark: BenchmarkResult
-    math: dict[str, Any] | None
-    paired: PairedComparison | None = None
-
-
-def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation:
-    """The benchmark (and maths retention) of ``cfg.policy`` (with ``cfg.policy.adapter``
-    when set) on ``cfg.scenarios.test``, written to ``<run_dir>/eval/<label>/``.
-
-    The judge is ``cfg.evaluation.judge`` (:func:`build_judge`), never ``cfg.simulator``;
-    its :func:`judge_description` and the protocol go into ``summary.json``.
-    ``label`` defaults to ``trained`` with an adapter, else ``baseline``.  Writes the
-    files of :func:`run_benchmark`, the capability-retention files when ``cfg.capability.enabled``,
-    ``<run_dir>/figures/eval_<label>_{trajectory,breakdown}.png``, and, for a label other
-    than ``baseline`` when ``eval/baseline`` exists, ``<run_dir>/eval/paired.json``
-    (:func:`write_paired`).
-    """
-    from rlver_lib import analysis
-    from rlver_lib.models import load_policy, make_policy_backend
-    from rlver_lib.scenarios import load_scenarios
-
-    label = label or ("trained" if cfg.policy.adapter else "baseline")
-    out_dir = cfg.run_dir / "eval" / label
-    model, tokenizer = load_policy(cfg.policy)
-    policy = make_policy_backend(cfg.policy, model, tokenizer)
-    scenarios = load_scenarios(cfg.scenarios.test)[: cfg.scenarios.limit_test]
-    sampling = cfg.policy.sampling(cfg.seed)
-    judge = build_judge(cfg.evaluation, cfg.seed)
-    try:
-        result = run_benchmark(policy, judge, scenarios, cfg.evaluation, sampling=sampling,
-                               think=cfg.policy.think, seed=cfg.seed, out_dir=out_dir, label=label,
-                               max_context_tokens=cfg.policy.max_context_tokens,
-                               format_violation=cfg.policy.format_violation,
-                               judge=judge_description(cfg.evaluation.judge, judge_seed(cfg.evaluation, cfg.seed)))
-    finally:
-        close_simulator(judge)
-    figures = cfg.run_dir / "figures"
-    traj = result.summary.trajectory.assign(label=label)
-    analysis.save_figure(analysis.plot_emotion_trajectories(traj), figures / f"eval_{label}_trajectory.png")
-    analysis.save_figure(analysis.plot_breakdown(result.summary.breakdown),
-                         figures / f"eval_{label}_breakdown.png")
-    math = None
-    if cfg.capability.enabled:
-        from rlver_lib.capability import run_retention
-
-        math = run_retention(policy, cfg.capability, out_dir, seed=cfg.seed,
-                             n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence)
-        if cfg.capability.lm_eval.enabled:  # the harness path (GPU, model hub): rlver_lib.capability
-            from rlver_lib.capability import run_lm_eval
-
-            math["lm_eval"] = run_lm_eval(cfg.policy.model, cfg.policy.adapter, cfg.capability.lm_eval,
-                                          out_dir / "lm_eval.json", dtype=cfg.policy.dtype, seed=cfg.seed)
-    paired = None
-    if label != "baseline":
-        paired = write_paired(cfg.run_dir, trained=label, n_boot=cfg.evaluation.bootstrap_samples,
-                              confidence=cfg.evaluation.confidence, seed=cfg.seed)
-    return Evaluation(result, math, paired)
-
-
-def eval_command(cfg: Any, *, label: str | None = None) -> int:
-    """``rlver eval PARAMS.yaml``: run :func:`evaluate`, print the headline figures, return 0."""
-    ev = evaluate(cfg, label=label)
-    s = ev.benchmark.summary
-    print(f"{ev.benchmark.label}: Sentient score {s.sentient_score.value:.1f} "
-          f"[{s.sentient_score.low:.1f}, {s.sentient_score.high:.1f}] over {s.n_scenarios} scenario(s), "
-          f"success {s.n_success}/{s.n}, failure {s.n_failure}/{s.n}, "
-          f"errors {s.n_error} ({100 * s.error_rate:.0f}%; score {s.score_errors_at_last:.1f} with them at their "
-          f"last emotion, {s.score_errors_as_zero:.1f} as 0), context-budget stops {s.n_context_limit}, "
-          f"mean turns {s.mean_turns.value:.2f}, protocol {cfg.evaluation.protocol} -> {ev.benchmark.out_dir}")
-    print("judge: " + judge_label(judge_description(cfg.evaluation.judge, judge_seed(cfg.evaluation, cfg.seed))))
-    if ev.math is not None:
-        print("capability retention: " + json.dumps({k: v for k, v in ev.math.items() if k != "lm_eval"}))
-    if ev.paired is not None:
-        d = ev.paired.difference
-        print(f"paired vs baseline: {d.mean_diff:+.1f} [{d.ci_low:+.1f}, {d.ci_high:+.1f}], p = {d.p_value:.3g}, "
-              f"n = {d.n_scenarios} scenarios")
     return 0

@@ -47,6 +47,7 @@ from .io import atomic_write_json, atomic_write_text, write_jsonl
 from .scenarios import BUILTIN_FILE, RunSplit, Scenario, ScenarioIssue, load_scenarios, validate_file
 
 if TYPE_CHECKING:
+    from .evaluation import BenchmarkResult, PairedComparison
     from .rollout import Trajectory
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -165,6 +166,18 @@ def run_scenarios(cfg: RunConfig, run_dir: str | Path, split: str) -> list[Scena
     if written.is_file():
         return load_scenarios(written)
     return load_scenarios(getattr(cfg.scenarios, split))[: getattr(cfg.scenarios, f"limit_{split}")]
+
+
+def benchmark_config(cfg: RunConfig, run_dir: str | Path, adapter: str | None = None) -> RunConfig:
+    """A copy of ``cfg`` for one benchmark of this run (``cfg`` itself is left as it is):
+    the run's persona-disjoint test set when the scenarios stage wrote it
+    (``<run_dir>/scenarios/test.jsonl``, already limited), and ``policy.adapter`` =
+    ``adapter`` (``None``: the base policy)."""
+    written = Path(run_dir) / "scenarios" / "test.jsonl"
+    scenarios = cfg.scenarios.model_copy(update={"test": str(written), "limit_test": None}) \
+        if written.is_file() else cfg.scenarios
+    return cfg.model_copy(update={"scenarios": scenarios,
+                                  "policy": cfg.policy.model_copy(update={"adapter": adapter})})
 
 
 def write_run_scenarios(run_dir: str | Path, split: RunSplit) -> Path:
@@ -752,3 +765,94 @@ def ablation_header(name: str, axes: list[str], cells: list[AblationCell]) -> st
                     + f" | {training} | {'on' if c.policy.think else 'off'} | {c.simulator.difficulty} |")
     return "\n\n".join([f"# RLVER ablation report: `{name}`", f"Axes: {', '.join(axes)}; {len(cells)} runs.",
                          "\n".join(rows), limits_statement(cells[0].config, per_cell=True)])
+
+
+# --------------------------------------------------------------------------- the benchmark stage
+
+
+@dataclass
+class Evaluation:
+    """One evaluated policy: the benchmark result, the capability-retention figures
+    (``capability.json`` content, :func:`rlver_lib.capability.run_retention`; ``None``
+    when ``capability.enabled`` is false) and, for a non-baseline label in a run with a
+    baseline, the paired comparison."""
+
+    benchmark: BenchmarkResult
+    math: dict[str, Any] | None
+    paired: PairedComparison | None = None
+
+
+def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation:
+    """The benchmark (and maths retention) of ``cfg.policy`` (with ``cfg.policy.adapter``
+    when set) on ``cfg.scenarios.test``, written to ``<run_dir>/eval/<label>/``.
+
+    The judge is ``cfg.evaluation.judge`` (:func:`rlver_lib.evaluation.build_judge`), never ``cfg.simulator``;
+    its :func:`judge_description` and the protocol go into ``summary.json``.
+    ``label`` defaults to ``trained`` with an adapter, else ``baseline``.  Writes the
+    files of :func:`run_benchmark`, the capability-retention files when ``cfg.capability.enabled``,
+    ``<run_dir>/figures/eval_<label>_{trajectory,breakdown}.png``, and, for a label other
+    than ``baseline`` when ``eval/baseline`` exists, ``<run_dir>/eval/paired.json``
+    (:func:`write_paired`).
+    """
+    from . import analysis, evaluation
+    from .models import load_policy, make_policy_backend
+
+    label = label or ("trained" if cfg.policy.adapter else "baseline")
+    out_dir = cfg.run_dir / "eval" / label
+    model, tokenizer = load_policy(cfg.policy)
+    policy = make_policy_backend(cfg.policy, model, tokenizer)
+    scenarios = load_scenarios(cfg.scenarios.test)[: cfg.scenarios.limit_test]
+    sampling = cfg.policy.sampling(cfg.seed)
+    judge = evaluation.build_judge(cfg.evaluation, cfg.seed)
+    described = evaluation.judge_description(cfg.evaluation.judge, evaluation.judge_seed(cfg.evaluation, cfg.seed))
+    try:
+        result = evaluation.run_benchmark(
+            policy, judge, scenarios, cfg.evaluation, sampling=sampling, think=cfg.policy.think, seed=cfg.seed,
+            out_dir=out_dir, label=label, max_context_tokens=cfg.policy.max_context_tokens,
+            format_violation=cfg.policy.format_violation, judge=described)
+    finally:
+        evaluation.close_simulator(judge)
+    figures = cfg.run_dir / "figures"
+    traj = result.summary.trajectory.assign(label=label)
+    analysis.save_figure(analysis.plot_emotion_trajectories(traj), figures / f"eval_{label}_trajectory.png")
+    analysis.save_figure(analysis.plot_breakdown(result.summary.breakdown),
+                         figures / f"eval_{label}_breakdown.png")
+    math = None
+    if cfg.capability.enabled:
+        from rlver_lib.capability import run_retention
+
+        math = run_retention(policy, cfg.capability, out_dir, seed=cfg.seed,
+                             n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence)
+        if cfg.capability.lm_eval.enabled:  # the harness path (GPU, model hub): rlver_lib.capability
+            from rlver_lib.capability import run_lm_eval
+
+            math["lm_eval"] = run_lm_eval(cfg.policy.model, cfg.policy.adapter, cfg.capability.lm_eval,
+                                          out_dir / "lm_eval.json", dtype=cfg.policy.dtype, seed=cfg.seed)
+    paired = None
+    if label != "baseline":
+        paired = evaluation.write_paired(cfg.run_dir, trained=label, n_boot=cfg.evaluation.bootstrap_samples,
+                              confidence=cfg.evaluation.confidence, seed=cfg.seed)
+    return Evaluation(result, math, paired)
+
+
+def eval_command(cfg: Any, *, label: str | None = None) -> int:
+    """``rlver eval PARAMS.yaml``: run :func:`evaluate`, print the headline figures, return 0."""
+    from . import evaluation
+
+    ev = evaluate(cfg, label=label)
+    s = ev.benchmark.summary
+    print(f"{ev.benchmark.label}: Sentient score {s.sentient_score.value:.1f} "
+          f"[{s.sentient_score.low:.1f}, {s.sentient_score.high:.1f}] over {s.n_scenarios} scenario(s), "
+          f"success {s.n_success}/{s.n}, failure {s.n_failure}/{s.n}, "
+          f"errors {s.n_error} ({100 * s.error_rate:.0f}%; score {s.score_errors_at_last:.1f} with them at their "
+          f"last emotion, {s.score_errors_as_zero:.1f} as 0), context-budget stops {s.n_context_limit}, "
+          f"mean turns {s.mean_turns.value:.2f}, protocol {cfg.evaluation.protocol} -> {ev.benchmark.out_dir}")
+    seed = evaluation.judge_seed(cfg.evaluation, cfg.seed)
+    print("judge: " + evaluation.judge_label(evaluation.judge_description(cfg.evaluation.judge, seed)))
+    if ev.math is not None:
+        print("capability retention: " + json.dumps({k: v for k, v in ev.math.items() if k != "lm_eval"}))
+    if ev.paired is not None:
+        d = ev.paired.difference
+        print(f"paired vs baseline: {d.mean_diff:+.1f} [{d.ci_low:+.1f}, {d.ci_high:+.1f}], p = {d.p_value:.3g}, "
+              f"n = {d.n_scenarios} scenarios")
+    return 0

@@ -376,7 +376,8 @@ def test_ablation_over_the_judge_is_refused_before_anything_runs(tmp_path):
 def test_evaluate_uses_the_judge_not_the_training_simulator(tmp_path, monkeypatch):
     from rlver_lib import models
     from rlver_lib.config import build_config
-    from rlver_lib.evaluation import evaluate, headline_markdown
+    from rlver_lib.evaluation import headline_markdown
+    from rlver_lib.workbench import evaluate
 
     scenarios = _three_scenarios()
     openings = [s.opening_line for s in scenarios]

@@ -11,16 +11,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-# notebooks whose owners are still moving logic out of their cells (why, per notebook)
-_NOT_YET = {
-    "04_evaluation": "cell 3 sets cfg.scenarios.test, cfg.scenarios.limit_test and cfg.policy.adapter",
-    "06_analysis": "cell 9 defines a lambda (rename of the kappa columns)",
-}
-NOTEBOOKS = [
-    pytest.param(p, id=p.stem, marks=pytest.mark.xfail(strict=False, reason=_NOT_YET[p.stem]))
-    if p.stem in _NOT_YET else pytest.param(p, id=p.stem)
-    for p in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
-]
+NOTEBOOKS = [pytest.param(p, id=p.stem)
+             for p in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))]
 
 
 def _root_name(node: ast.AST) -> str | None:
