@@ -369,7 +369,7 @@ def test_error_dialogues_are_counted_and_accumulation_steps_once_per_window_with
                                        _padded(batch, "mask")).loss.backward()
         for got, p in zip(grads, trainer.trainable):
             expected = p.grad if p.grad is not None else torch.zeros_like(p)
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-8)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()) + 1e-12)
         assert any(g.abs().sum() > 0 for g in grads)
 
 
