@@ -411,8 +411,9 @@ class LlamaServerBackend:
 
     def _died(self, when: str) -> BackendDied:
         how, name = _exit_description(self.process.returncode)
-        return BackendDied(f"llama-server for {self.model_path.name} {how} {when}; "
-                           f"last log lines:\n{self.log_tail()}", signal=name)
+        tail = self.log_tail()
+        return BackendDied(f"llama-server for {self.model_path.name} {how} {when}"
+                           + (f"; last log lines:\n{tail}" if tail else ""), signal=name)
 
     def _wait_ready(self, timeout_s: float) -> None:
         import httpx

@@ -73,12 +73,12 @@ import pandas as pd
 from rlver_lib.backends import ChatBackend, SamplingParams, derive_seed
 from rlver_lib.io import atomic_write_json, atomic_write_text, iter_jsonl, write_jsonl
 from rlver_lib.rollout import record_transcript
-from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION  # one copy of the thresholds
+from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION, build_simulator
 from rlver_lib.stats import MIN_N, Estimate, bootstrap_ci, cluster_bootstrap_ci, paired_difference
 
 __all__ = [
     "BREAKDOWN_FACTORS", "BenchmarkResult", "BenchmarkSummary", "DialogueView", "Estimate",
-    "JudgeMismatchError", "RecordError", "bootstrap_ci", "build_judge", "build_simulator",
+    "JudgeMismatchError", "RecordError", "bootstrap_ci", "build_judge",
     "check_same_judge", "describe_paired", "dialogue_view", "error_statement", "headline_markdown",
     "headline_table", "judge_description", "styled_breakdown",
     "load_records", "paired_comparison", "run_benchmark", "sage_score", "summarize", "transcript_protocol",
@@ -453,20 +453,6 @@ def protocol_description(eval_cfg: Any) -> dict[str, Any]:
             "max_policy_turns": int(eval_cfg.max_turns),
             "appraised_turns": int(eval_cfg.max_turns) - (1 if name == "sage" else 0),
             "repeats": int(getattr(eval_cfg, "repeats", 1))}
-
-
-def build_simulator(sim_cfg: Any, seed: int) -> Any:
-    """The simulated user a config asks for: ``simulator.RuleSimulator`` (default change
-    function, no model) when ``sim_cfg.backend == "rule"``, else an LLM
-    ``simulator.UserSimulator`` over ``models.make_simulator_backend``."""
-    if sim_cfg.backend == "rule":
-        from rlver_lib.simulator import RuleSimulator
-
-        return RuleSimulator()
-    from rlver_lib.models import make_simulator_backend
-    from rlver_lib.simulator import UserSimulator
-
-    return UserSimulator(make_simulator_backend(sim_cfg, seed), sim_cfg, seed=seed)
 
 
 def build_judge(eval_cfg: Any, run_seed: int) -> Any:

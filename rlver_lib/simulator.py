@@ -605,3 +605,15 @@ class RuleSimulator:
                 )
             )
         return turns
+
+
+def build_simulator(sim_cfg: SimulatorConfig, seed: int) -> UserSimulator | RuleSimulator:
+    """The simulated user a config asks for: :class:`RuleSimulator` (default change
+    function, no model) when ``sim_cfg.backend == "rule"``, else a :class:`UserSimulator`
+    over :func:`rlver_lib.models.make_simulator_backend` (which may start a server
+    process: close it with ``simulator.backend.close()``)."""
+    if sim_cfg.backend == "rule":
+        return RuleSimulator()
+    from .models import make_simulator_backend
+
+    return UserSimulator(make_simulator_backend(sim_cfg, seed), sim_cfg, seed=seed)

@@ -591,7 +591,7 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id
         self.policy_backend = policy_backend or make_policy_backend(cfg.policy, self.model.policy, self.tokenizer)
         if simulator is None:
-            from .evaluation import build_simulator
+            from .simulator import build_simulator
 
             simulator = build_simulator(cfg.simulator, cfg.seed)
         self.simulator = simulator
@@ -663,6 +663,7 @@ class Trainer:
             think=policy_cfg.think, seed=step_seed, progress=False, max_context_tokens=policy_cfg.max_context_tokens,
             format_violation=policy_cfg.format_violation, sampling=policy_cfg.sampling(step_seed))
         rollout_s = time.perf_counter() - start
+        self._stop_if_simulator_died(trajectories)
 
         rewards = {t.dialogue_id: self._reward(t) for t in trajectories}
         trained = [t for t in trajectories
@@ -691,6 +692,24 @@ class Trainer:
                             num_processes=accelerator.num_processes, learning_rate=learning_rate,
                             rollout_time_s=rollout_s, update_time_s=update_s,
                             step_time_s=time.perf_counter() - start, **extra)
+
+    def _stop_if_simulator_died(self, trajectories) -> None:
+        """Raise :class:`TrainerError` on every process when any process's simulated user
+        lost its backend (its server process died): the step's dialogues, those in
+        flight ending in ``error``, are written first; nothing of the step is trained
+        and the last checkpoint stays, so running the same command again resumes."""
+        fatal = getattr(self.simulator, "fatal_error", None)
+        if not int(self.collect.max(torch.tensor([float(fatal is not None)]))):
+            return
+        records = self.collect.gather([t.to_record() | {"step": self.step} for t in trajectories])
+        if self.accelerator.is_main_process:
+            write_jsonl(self.out_dir / "dialogues" / f"step_{self.step:06d}.failed.jsonl", records)
+        last = self.checkpoints.latest()
+        raise TrainerError(
+            f"step {self.step}: the simulated user's backend died ({fatal or 'on another process'}); "
+            f"nothing of this step was trained; its dialogues are in "
+            f"{self.out_dir / 'dialogues' / f'step_{self.step:06d}.failed.jsonl'}; "
+            f"last checkpoint: {last or 'none yet'}; run the same command again to resume")
 
     def _reward(self, trajectory) -> float:
         if trajectory.termination == "error":

@@ -201,3 +201,27 @@ def test_no_server_process_survives_close(tmp_path, fake_gguf, monkeypatch):
     backend.close()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+@pytest.mark.slow
+def test_training_step_with_a_dying_simulator_fails_cleanly_and_resumes(tmp_path, fake_gguf, monkeypatch):
+    from test_trainer import _cfg, _scenarios
+
+    from rlver_lib.simulator import RuleSimulator
+    from rlver_lib.trainer import Trainer, TrainerError
+
+    cfg = _cfg(tmp_path, "dies", steps=2, checkpoint_every=1)
+    # step 1: 2 dialogues x (appraise + reply) = requests 1-4; request 5 (step 2) kills the server
+    backend, simulator = _flaky_simulator(tmp_path, fake_gguf, 5, monkeypatch)
+    try:
+        with pytest.raises(TrainerError, match="(?s)backend died .*SIGSEGV.*run the same command again to resume"):
+            Trainer(cfg, _scenarios(2), simulator=simulator).train()
+    finally:
+        backend.close()
+    train_dir = cfg.run_dir / "train"
+    assert [p.name for p in (train_dir / "checkpoints").iterdir()] == ["step_000001"]
+    failed = [json.loads(line) for line in (train_dir / "dialogues" / "step_000002.failed.jsonl").open()]
+    assert [r["termination"] for r in failed] == ["error", "error"]
+    resumed = Trainer(cfg, _scenarios(2), simulator=RuleSimulator())
+    assert resumed.step == 1
+    assert [r["step"] for r in resumed.train()] == [1, 2]
