@@ -254,9 +254,10 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
     }, source="gpu_check")
     policy_backend = None
     if not dry:
+        from rlver_lib.models import policy_model_path
         from rlver_lib.vllm_backend import VLLMBackend
 
-        policy_backend = VLLMBackend.from_config(cfg.policy, seed=args.seed)
+        policy_backend = VLLMBackend.from_config(cfg.policy, policy_model_path(cfg.policy.model), seed=args.seed)
     start = time.perf_counter()
     trainer = Trainer(cfg, load_scenarios("builtin:train"), simulator=RuleSimulator(),
                       policy_backend=policy_backend)

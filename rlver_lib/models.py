@@ -362,7 +362,7 @@ def make_policy_backend(policy_cfg: PolicyConfig, model, tokenizer) -> "ChatBack
     if policy_cfg.backend == "vllm":
         from .vllm_backend import VLLMBackend
 
-        return VLLMBackend.from_config(policy_cfg, tokenizer)
+        return VLLMBackend.from_config(policy_cfg, policy_model_path(policy_cfg.model), tokenizer)
     from .backends import TransformersBackend
 
     return TransformersBackend(model, tokenizer)

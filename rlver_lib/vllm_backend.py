@@ -460,20 +460,19 @@ class VLLMBackend:
     def from_config(
         cls,
         policy_cfg: "PolicyConfig",
+        model_path: str | Path,
         tokenizer: Any = None,
         *,
         seed: int = 0,
         adapter_root: str | Path | None = None,
     ) -> "VLLMBackend":
         """Build from the ``policy`` section (what ``models.make_policy_backend`` calls):
-        model resolved by ``rlver_lib.models.policy_model_path``, ``lora.r``,
+        ``model_path`` is ``policy.model`` resolved (``models.policy_model_path``), ``lora.r``,
         ``dtype``, ``vllm_device``, ``gpu_memory_utilization``, ``vllm_kv_cache_gb``,
         ``adapter`` as the initial adapter,
         ``max_model_len = max_context_tokens + max_new_tokens``."""
-        from rlver_lib.models import policy_model_path
-
         return cls(
-            policy_model_path(policy_cfg.model),
+            str(model_path),
             lora_rank=policy_cfg.lora.r,
             device=policy_cfg.vllm_device,
             gpu_memory_utilization=policy_cfg.gpu_memory_utilization,

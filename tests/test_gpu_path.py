@@ -366,10 +366,11 @@ def test_policy_backend_factory_builds_vllm_from_the_config(monkeypatch):
 
     calls = []
     monkeypatch.setattr(vllm_backend.VLLMBackend, "from_config",
-                        classmethod(lambda cls, cfg, tokenizer=None, **kw: calls.append((cfg, tokenizer)) or "engine"))
+                        classmethod(lambda cls, cfg, path, tokenizer=None, **kw:
+                                    calls.append((cfg, path, tokenizer)) or "engine"))
     cfg = PolicyConfig(backend="vllm")
     assert models.make_policy_backend(cfg, object(), "the-tokenizer") == "engine"
-    assert calls == [(cfg, "the-tokenizer")]
+    assert calls == [(cfg, models.policy_model_path(cfg.model), "the-tokenizer")]
 
 
 def test_paper_simulator_section_drives_a_served_model(openai_server, monkeypatch):

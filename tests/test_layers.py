@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "rlver_lib"
 
 # Lowest first; a module may import modules of its own layer or of a lower one.
@@ -140,19 +138,11 @@ def test_every_module_has_one_layer():
     assert modules - set(placed) == set(), "new module: give it a layer in LAYERS (and docs/ARCHITECTURE.md)"
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "cycles still held in files under rewrite: evaluation.evaluate() imports analysis, which imports "
-    "evaluation (evaluate() belongs in the pipeline layer); vllm_backend.VLLMBackend.from_config imports "
-    "models.policy_model_path while models.make_policy_backend imports vllm_backend (from_config should take "
-    "the resolved model path)"))
 def test_import_graph_has_no_cycle():
     cycles = find_cycles(import_graph())
     assert cycles == [], f"modules that import each other (directly or through others): {cycles}"
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "evaluation.evaluate() imports analysis (pipeline work inside the evaluation layer); "
-    "trainer imports evaluation.build_simulator (moving to simulator.py)"))
 def test_imports_point_down_the_layers():
     layer = _layer_of()
     upward = sorted(
