@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlver_lib import models
-from rlver_lib.backends import LlamaCppBackend, OpenAIBackend, TransformersBackend
+from rlver_lib.backends import LlamaServerBackend, OpenAIBackend, TransformersBackend
 from rlver_lib.config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, ConfigError, PolicyConfig, SimulatorConfig
 from rlver_lib.models import EmbeddedModelError, join_verified
 
@@ -188,11 +188,13 @@ def test_make_simulator_backend_rejects_bad_models(tmp_path):
 
 
 def test_make_simulator_backend_llamacpp_path_overrides_default():
-    pytest.importorskip("llama_cpp")
     gguf = models.smollm2_gguf_path()
-    backend = models.make_simulator_backend(
-        SimulatorConfig(model=str(gguf), n_ctx=512, n_threads=1), seed=0)
-    assert isinstance(backend, LlamaCppBackend) and backend.model_path == gguf
+    with models.make_simulator_backend(
+            SimulatorConfig(model=str(gguf), n_ctx=512, n_threads=1, concurrency=3), seed=0) as backend:
+        assert isinstance(backend, LlamaServerBackend) and backend.model_path == gguf
+        assert "--parallel" in backend.command and backend.command[backend.command.index("--parallel") + 1] == "3"
+        backend.check_alive()
+    assert backend.process.poll() is not None  # stopped on exit
     assert models.simulator_model_path(SimulatorConfig(model=EMBEDDED_POLICY)) == gguf
 
 
