@@ -367,9 +367,12 @@ def test_error_dialogues_are_counted_and_accumulation_steps_once_per_window_with
         out = trainer.model(ids, (_padded(batch, "input_ids") > 0).long(), _padded(batch, "mask"))
         algorithms.clipped_policy_loss(out["logprobs"], _padded(batch, "old_logprobs"), _padded(batch, "advantages"),
                                        _padded(batch, "mask")).loss.backward()
-        for got, p in zip(grads, trainer.trainable):
-            expected = p.grad if p.grad is not None else torch.zeros_like(p)
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()) + 1e-12)
+        expected = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trainer.trainable]
+        # fp32 noise of unpadded micro-batches vs one padded batch stays below ~1e-4 of the
+        # largest gradient entry; a wrong normaliser or a lost micro-batch is off by tens of percent
+        scale = max(float(e.abs().max()) for e in expected)
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-4 * scale)
         assert any(g.abs().sum() > 0 for g in grads)
 
 
