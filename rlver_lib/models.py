@@ -20,13 +20,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from .config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, ConfigError, PolicyConfig, SimulatorConfig
+from .io import atomic_directory
 
 if TYPE_CHECKING:
     from .backends import ChatBackend
@@ -202,19 +202,9 @@ def convert_gguf_policy(gguf_path: Path, dest: Path) -> Path:
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     _strip_gguf_quantization(model)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
-    try:
+    with atomic_directory(dest, if_exists="keep") as tmp:  # a concurrent conversion may finish first
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)
-        try:
-            os.replace(tmp, dest)
-        except OSError:
-            if not (dest / "config.json").is_file():  # not a concurrent conversion: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 

@@ -34,6 +34,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from .io import atomic_directory
+
 LLAMA_CPP_SOURCE = "llama-cpp-python==0.3.36"
 BINARY = "llama-server"
 
@@ -181,14 +183,10 @@ def build(root: Path | None = None, *, source: Path | None = None, jobs: int | N
         out = work / "build"
         subprocess.run(["cmake", "-S", str(src), "-B", str(out), *args], check=True)
         subprocess.run(["cmake", "--build", str(out), "--target", BINARY, "-j", str(jobs)], check=True)
-        root.parent.mkdir(parents=True, exist_ok=True)
-        staged = Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}."))
-        (staged / "bin").mkdir()
-        shutil.copy2(out / "bin" / BINARY, staged / "bin" / BINARY)
-        (staged / "build.json").write_text(json.dumps(_fingerprint(args), indent=1), encoding="utf-8")
-        staged.chmod(0o755)
-        shutil.rmtree(root, ignore_errors=True)
-        os.replace(staged, root)
+        with atomic_directory(root) as staged:
+            (staged / "bin").mkdir()
+            shutil.copy2(out / "bin" / BINARY, staged / "bin" / BINARY)
+            (staged / "build.json").write_text(json.dumps(_fingerprint(args), indent=1), encoding="utf-8")
     return llama_server_path(root)
 
 

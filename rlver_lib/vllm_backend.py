@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from rlver_lib.backends import BackendError, Conversation, Generation, SamplingParams
+from rlver_lib.io import atomic_directory
 
 if TYPE_CHECKING:
     from rlver_lib.config import PolicyConfig
@@ -242,14 +243,8 @@ def save_policy_adapter(
     version = adapter_version(root, step)
     if version.path.exists():
         raise ValueError(f"policy step {step} was already saved to {version.path}")
-    version.path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=version.path.parent, prefix=f".{version.name}."))
-    try:
+    with atomic_directory(version.path) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict)
-        os.replace(tmp, version.path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return version
 
 
