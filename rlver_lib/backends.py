@@ -335,11 +335,12 @@ def _exit_description(returncode: int) -> tuple[str, str | None]:
     return f"exited with status {returncode}", None
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago."""
     import socket
 
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -383,7 +384,7 @@ class LlamaServerBackend:
             raise ValueError("need parallel >= 1 and n_ctx >= 64")
         self.model_path = path
         self.binary = Path(binary) if binary else native.llama_server_path()
-        self.port = _free_port()
+        self.port = free_port()
         threads = threads or 1
         self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         self.command = [

@@ -78,7 +78,7 @@ def smoke_simulator(binary: Path | None = None, model_path: Path | None = None,
     so a crash comes back as a failed result naming the signal.
     """
     from .backends import BackendError, LlamaServerBackend, SamplingParams
-    from .models import EmbeddedModelError, simulator_gguf_path
+    from .models import EmbeddedModelError, default_threads, simulator_gguf_path
 
     try:
         model_path = model_path or simulator_gguf_path()
@@ -86,18 +86,13 @@ def smoke_simulator(binary: Path | None = None, model_path: Path | None = None,
         return SmokeResult("simulator", False, str(err))
     name = f"simulator {model_path.name} (llama-server)"
     try:
-        with LlamaServerBackend(model_path, n_ctx=512, parallel=1, threads=_threads(), binary=binary,
+        with LlamaServerBackend(model_path, n_ctx=512, parallel=1, threads=default_threads(), binary=binary,
                                 startup_timeout_s=startup_timeout_s) as backend:
             out = backend.generate([[{"role": "user", "content": "Hello"}]],
                                    SamplingParams(temperature=0, max_new_tokens=SMOKE_TOKENS, seed=0))
     except (BackendError, native.NativeBuildError, OSError) as err:
         return SmokeResult(name, False, str(err).splitlines()[0])
     return SmokeResult(name, True, repr(out[0].text))
-
-
-def _threads() -> int:
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else (os.cpu_count() or 1)
 
 
 def report(*, policy: bool = True, simulator: bool = True, binary: Path | None = None,

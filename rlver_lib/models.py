@@ -288,7 +288,8 @@ def load_policy(policy_cfg: PolicyConfig, *, trainable: bool = False):
 # ---------------------------------------------------------------- backend factories
 
 
-def _default_threads() -> int:
+def default_threads() -> int:
+    """``$OMP_NUM_THREADS`` when set to a positive number, else the CPU count capped at 4."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     return int(env) if env.isdigit() and int(env) > 0 else max(1, min(4, os.cpu_count() or 1))
 
@@ -325,7 +326,7 @@ def make_simulator_backend(sim_cfg: SimulatorConfig, seed: int) -> "ChatBackend"
     if sim_cfg.backend == "llamacpp":
         return backends.LlamaServerBackend(
             simulator_model_path(sim_cfg), n_ctx=sim_cfg.n_ctx, parallel=sim_cfg.concurrency,
-            threads=sim_cfg.n_threads or _default_threads(), seed=seed,
+            threads=sim_cfg.n_threads or default_threads(), seed=seed,
             timeout_s=sim_cfg.timeout_s, max_retries=sim_cfg.max_retries,
         )
     if sim_cfg.backend == "transformers":

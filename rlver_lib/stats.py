@@ -78,15 +78,20 @@ def bootstrap_ci(
     Raises ``ValueError`` on an empty input, non-finite values, ``n_boot < 1`` or a
     confidence outside (0, 1).
     """
-    x = np.asarray(values, dtype=float)
-    if x.ndim != 1 or x.size == 0:
-        raise ValueError("bootstrap_ci needs a non-empty 1-D sequence of values")
-    if not np.all(np.isfinite(x)):
-        raise ValueError("bootstrap_ci: values must be finite")
+    x = _finite_1d(values, "bootstrap_ci")
     _check(n_boot, confidence)
     idx = np.random.default_rng(seed).integers(0, x.size, size=(n_boot, x.size))
     low, high = _percentiles(x[idx].mean(axis=1), confidence)
     return Estimate(float(x.mean()), low, high, confidence)
+
+
+def _finite_1d(values, name: str) -> np.ndarray:
+    x = np.asarray(values, dtype=float)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError(f"{name} needs a non-empty 1-D sequence of values")
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"{name}: values must be finite")
+    return x
 
 
 def _cluster_codes(clusters: Sequence[Any], n: int) -> tuple[np.ndarray, int]:
@@ -116,11 +121,7 @@ def cluster_bootstrap_ci(
     Raises ``ValueError`` on empty or non-finite input, mismatched lengths or bad
     ``n_boot`` / ``confidence``.
     """
-    x = np.asarray(values, dtype=float)
-    if x.ndim != 1 or x.size == 0:
-        raise ValueError("cluster_bootstrap_ci needs a non-empty 1-D sequence of values")
-    if not np.all(np.isfinite(x)):
-        raise ValueError("cluster_bootstrap_ci: values must be finite")
+    x = _finite_1d(values, "cluster_bootstrap_ci")
     _check(n_boot, confidence)
     codes, n_clusters = _cluster_codes(clusters, x.size)
     sums = np.bincount(codes, weights=x, minlength=n_clusters)

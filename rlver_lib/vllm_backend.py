@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from rlver_lib.backends import BackendError, Conversation, Generation, SamplingParams
+from rlver_lib.backends import BackendError, Conversation, Generation, SamplingParams, free_port
 from rlver_lib.io import atomic_directory
 
 if TYPE_CHECKING:
@@ -656,7 +655,7 @@ class VLLMServer:
         log_path: str | Path | None = None,
         env: dict[str, str] | None = None,
     ):
-        self.host, self.port = host, port or _free_port(host)
+        self.host, self.port = host, port or free_port(host)
         self.served_model_name = served_model_name
         self.argv = serve_command(model, served_model_name=served_model_name, port=self.port, host=host,
                                   device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -734,12 +733,6 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _group_alive(pgid: int) -> bool:
