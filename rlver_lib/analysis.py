@@ -14,7 +14,8 @@ The paper's questions (RLVER §5) and where they are answered:
   ones in solutions): a fixed taxonomy (:data:`TAXONOMY`: five dimensions, a strategy
   mix, an ``absolves_user`` flag) applied by a named judge backend
   (:func:`label_strategies`), with its reliability measured (:func:`self_agreement`,
-  :func:`judge_validation` against the shipped two-pass labelled set);
+  :func:`judge_validation` against the shipped labelled set of two independent
+  annotators);
 - *gains come from strategy, not length, and are not reward hacking*: per-turn
   features of the reply against the emotion change it caused, clustered by dialogue
   with the training step partialled out (:func:`hacking_statistics`), a
@@ -770,20 +771,31 @@ def self_agreement(judge: ChatBackend, replies: Sequence[str], user_messages: Se
 
 
 LABELLED_SET = "strategy_labels.jsonl"
+#: The label passes of the shipped set (see ``strategy_labels_README.md``): ``p1``
+#: annotator A, ``p2`` annotator A again (reshuffled, same session: a consistency
+#: check), ``b1`` annotator B, working blind to ``p1`` / ``p2`` in a separate session.
+LABEL_PASSES = ("p1", "p2", "b1")
+#: The two independently made passes: their agreement is the set's inter-annotator kappa.
+INDEPENDENT_PASSES = ("p1", "b1")
+#: One annotator's two passes: their agreement measures consistency, not independence.
+CONSISTENCY_PASSES = ("p1", "p2")
 
 
 def load_labelled_set(path: str | Path | None = None) -> pd.DataFrame:
-    """The shipped two-pass labelled set (``rlver_lib/data/strategy_labels.jsonl``, see
+    """The shipped labelled set (``rlver_lib/data/strategy_labels.jsonl``, see
     ``strategy_labels_README.md`` there for who labelled it and how): one row per policy
-    reply with ``id, scenario_id, turn, user, reply`` and, for each pass ``p1`` / ``p2``,
-    ``<pass>_primary``, one boolean column ``<pass>_<strategy>`` per strategy and
-    ``<pass>_absolves_user``.  Raises ``ValueError`` naming the line of an unknown label."""
+    reply with ``id, scenario_id, turn, user, reply`` and, for each pass of
+    :data:`LABEL_PASSES`, ``<pass>_primary``, one boolean column ``<pass>_<strategy>``
+    per strategy and ``<pass>_absolves_user``.  Raises ``ValueError`` naming the line
+    of an unknown label or a missing pass."""
     source = Path(path) if path else Path(str(resources.files("rlver_lib") / "data" / LABELLED_SET))
     rows = []
     for line, rec in iter_jsonl(source):
         row = {k: rec.get(k) for k in ("id", "scenario_id", "turn", "user", "reply")}
-        for name in ("p1", "p2"):
-            lab = rec.get(name) or {}
+        for name in LABEL_PASSES:
+            lab = rec.get(name)
+            if not isinstance(lab, dict) or "primary" not in lab:
+                raise ValueError(f"{source}:{line}: label pass {name!r} missing; every line needs {list(LABEL_PASSES)}")
             strategies = lab.get("strategies", [])
             bad = [s for s in [lab.get("primary"), *strategies] if s not in PRIMARY_KEYS]
             if bad:
@@ -809,21 +821,26 @@ def _agreement_on(a: pd.DataFrame, b: pd.DataFrame, keys: Sequence[str]) -> pd.D
     return pd.DataFrame(rows)
 
 
-def labelled_set_agreement(labelled: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Agreement between the two label passes of the shipped set: ``field, agreement,
-    kappa, n`` for ``primary``, each strategy and ``absolves_user``."""
+def labelled_set_agreement(labelled: pd.DataFrame | None = None,
+                           passes: tuple[str, str] = INDEPENDENT_PASSES) -> pd.DataFrame:
+    """Agreement between two label passes of the shipped set, by default the two
+    independent annotators (:data:`INDEPENDENT_PASSES`; :data:`CONSISTENCY_PASSES` for
+    annotator A against itself): ``field, agreement, kappa, n`` for ``primary``, each
+    strategy and ``absolves_user``."""
     labelled = load_labelled_set() if labelled is None else labelled
     keys = ("primary", *STRATEGY_KEYS, ABSOLVES.key)
-    return _agreement_on(_pass_table(labelled, "p1"), _pass_table(labelled, "p2"), keys)
+    return _agreement_on(_pass_table(labelled, passes[0]), _pass_table(labelled, passes[1]), keys)
 
 
 def judge_validation(judge: ChatBackend, labelled: pd.DataFrame | None = None, *, n: int | None = None,
                      seed: int = 0, max_new_tokens: int = 200) -> dict[str, Any]:
-    """The judge against both label passes of the shipped set (its first ``n`` items).
+    """The judge against the two independent label passes of the shipped set
+    (:data:`INDEPENDENT_PASSES`, its first ``n`` items).
 
     Returns ``table`` (``field, agreement, kappa, n, reference`` for reference ``p1``
-    and ``p2``; unparsed judgements count as disagreements), ``n``, ``n_unparsed`` and
-    the per-item ``judgements``.  Raises ``ValueError`` when no item is selected.
+    (annotator A) and ``b1`` (annotator B); unparsed judgements count as
+    disagreements), ``n``, ``n_unparsed`` and the per-item ``judgements``.  Raises
+    ``ValueError`` when no item is selected.
     """
     labelled = load_labelled_set() if labelled is None else labelled
     labelled = labelled.head(n) if n is not None else labelled
@@ -834,10 +851,10 @@ def judge_validation(judge: ChatBackend, labelled: pd.DataFrame | None = None, *
     keys = ("primary", *STRATEGY_KEYS, ABSOLVES.key)
     judged_keys = judged[list(keys)].copy()
     tables = [_agreement_on(_pass_table(labelled, ref), judged_keys, keys).assign(reference=ref)
-              for ref in ("p1", "p2")]
+              for ref in INDEPENDENT_PASSES]
     return {"table": pd.concat(tables, ignore_index=True), "n": len(labelled),
             "n_unparsed": int((judged["primary"] == UNPARSED).sum()),
-            "judgements": pd.concat([labelled[["id", "reply", "p1_primary"]].reset_index(drop=True), judged], axis=1)}
+            "judgements": pd.concat([labelled[["id", "reply", *(f"{p}_primary" for p in INDEPENDENT_PASSES)]].reset_index(drop=True), judged], axis=1)}
 
 
 # --------------------------------------------------------------------------- replies of a run
@@ -1455,14 +1472,16 @@ class StrategyReport:
     """What :func:`strategy_analysis` measured: the ``judge`` (description), the
     per-reply ``labels`` (``source``, ``step``, the reply and its judgement), the
     judge's ``self_agreement`` across seeds and its ``validation`` against the shipped
-    labelled set (``None`` when skipped), and the set's own two-pass ``labelled_set``
-    agreement."""
+    labelled set (``None`` when skipped), the set's own inter-annotator agreement
+    ``labelled_set`` (:data:`INDEPENDENT_PASSES`) and annotator A's agreement with
+    itself, ``labelled_set_consistency`` (:data:`CONSISTENCY_PASSES`)."""
 
     judge: str
     labels: pd.DataFrame
     self_agreement: pd.DataFrame | None
     validation: dict[str, Any] | None
     labelled_set: pd.DataFrame
+    labelled_set_consistency: pd.DataFrame | None = None
 
 
 def strategy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_cfg: Any) -> StrategyReport:
@@ -1492,7 +1511,8 @@ def strategy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_c
                                    temperature=judge_cfg.temperature or 0.7, **budget)
     validation = None if a.judge_validation_n == 0 else judge_validation(judge, n=a.judge_validation_n,
                                                                          seed=cfg.seed, **budget)
-    return StrategyReport(describe_judge(judge_cfg), labelled, agreement, validation, labelled_set_agreement())
+    return StrategyReport(describe_judge(judge_cfg), labelled, agreement, validation, labelled_set_agreement(),
+                          labelled_set_agreement(passes=CONSISTENCY_PASSES))
 
 
 def describe_reliability(report: StrategyReport) -> str:
@@ -1502,11 +1522,13 @@ def describe_reliability(report: StrategyReport) -> str:
         t = report.validation["table"].set_index(["reference", "field"])
         kappa = t.loc[("p1", "primary"), "kappa"]
         agree = t.loc[("p1", "primary"), "agreement"]
+        kappa_b = t.loc[("b1", "primary"), "kappa"] if ("b1", "primary") in t.index else np.nan
         strength = ("no better than chance" if not np.isfinite(kappa) or kappa < 0.2 else
                     "weak" if kappa < 0.4 else "moderate" if kappa < 0.6 else "substantial")
         lines.append(f"**Judge reliability.** The strategy judge ({report.judge}) gives the labelled set's "
                      f"primary label on {agree:.0%} of {report.validation['n']} real policy replies "
-                     f"(Cohen's κ {kappa:.2f}: {strength}; {report.validation['n_unparsed']} unparsed). "
+                     f"(Cohen's κ {kappa:.2f} against annotator A: {strength}; κ {kappa_b:.2f} against "
+                     f"annotator B; {report.validation['n_unparsed']} unparsed). "
                      + ("Treat its strategy mix as indicative only; configure a stronger judge "
                         "(`analysis.judge`) for research use." if not np.isfinite(kappa) or kappa < 0.6 else ""))
     if report.self_agreement is not None:
@@ -1514,8 +1536,12 @@ def describe_reliability(report: StrategyReport) -> str:
         lines.append(f"Across {int(primary['pairs'])} seed pair(s) it repeats its own primary label on "
                      f"{primary['agreement']:.0%} of {int(primary['n'])} replies.")
     ls = report.labelled_set.set_index("field").loc["primary"]
-    lines.append(f"The labelled set's two passes (one LLM annotator, see `strategy_labels_README.md`) agree with "
-                 f"κ {ls['kappa']:.2f} on the primary label.")
+    line = (f"The labelled set's two independent passes (two LLM annotators, not people; see "
+            f"`strategy_labels_README.md`) agree with κ {ls['kappa']:.2f} on the primary label")
+    if report.labelled_set_consistency is not None:
+        own = report.labelled_set_consistency.set_index("field").loc["primary"]
+        line += f" (annotator A against its own second pass, a consistency check: κ {own['kappa']:.2f})"
+    lines.append(line + ".")
     return " ".join(lines)
 
 

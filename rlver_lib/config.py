@@ -263,7 +263,7 @@ class AnalysisConfig(_Strict):
     backend and model of ``evaluation.judge``, greedy.  ``judge_sample``: replies
     labelled per source (baseline, each training step, trained).
     ``self_agreement_sample``: replies labelled again under ``judge_seeds`` seeds.
-    ``judge_validation_n``: items of the shipped two-pass labelled set the judge is
+    ``judge_validation_n``: items of the shipped labelled set the judge is
     scored on (``None``: all, 0: skip).  ``hacking_probes``: injection probes against
     ``evaluation.judge`` on ``probe_scenarios`` test scenarios (``None``: every one).
     ``sycophancy_samples``: policy replies per at-fault scenario, for base and trained.

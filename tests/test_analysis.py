@@ -268,15 +268,43 @@ def test_self_agreement_across_seeds():
         A.self_agreement(ScriptedJudge(answers), ["a"], [None], seeds=[0], temperature=0.7)
 
 
-def test_labelled_set_is_real_two_pass_and_agreement_is_recomputed():
+def test_labelled_set_is_real_and_independent_agreement_is_recomputed():
     labelled = A.load_labelled_set()
     assert len(labelled) >= 60 and labelled["id"].is_unique
     assert labelled["scenario_id"].str.startswith("en-").all()
+    assert A.INDEPENDENT_PASSES == ("p1", "b1") and A.CONSISTENCY_PASSES == ("p1", "p2")
+    # the default table is annotator A (p1) against the independent annotator B (b1)
     table = A.labelled_set_agreement(labelled).set_index("field")
-    p1, p2 = labelled["p1_primary"].tolist(), labelled["p2_primary"].tolist()
-    assert table.loc["primary", "agreement"] == pytest.approx(np.mean([a == b for a, b in zip(p1, p2)]))
-    assert table.loc["primary", "kappa"] == pytest.approx(A.cohen_kappa(p1, p2))
-    assert 0.5 < table.loc["primary", "kappa"] <= 1.0
+    p1, b1 = labelled["p1_primary"].tolist(), labelled["b1_primary"].tolist()
+    assert table.loc["primary", "agreement"] == pytest.approx(np.mean([a == b for a, b in zip(p1, b1)]))
+    # kappa by hand from the two marginals: (p_o - p_e) / (1 - p_e)
+    n = len(p1)
+    p_o = sum(a == b for a, b in zip(p1, b1)) / n
+    p_e = sum(p1.count(k) * b1.count(k) for k in set(p1) | set(b1)) / n ** 2
+    assert table.loc["primary", "kappa"] == pytest.approx((p_o - p_e) / (1 - p_e))
+    assert 0.5 < table.loc["primary", "kappa"] < 1.0
+    # annotator A against its own second pass, reported as a consistency check
+    own = A.labelled_set_agreement(labelled, passes=A.CONSISTENCY_PASSES).set_index("field")
+    assert own.loc["primary", "kappa"] == pytest.approx(A.cohen_kappa(p1, labelled["p2_primary"].tolist()))
+    assert own.loc["primary", "kappa"] != pytest.approx(table.loc["primary", "kappa"])
+
+
+def test_labelled_set_needs_every_pass(tmp_path):
+    rec = {"id": "x", "scenario_id": "en-001", "turn": 1, "user": "u", "reply": "r",
+           "p1": {"primary": "other", "strategies": [], "absolves_user": False},
+           "p2": {"primary": "other", "strategies": [], "absolves_user": False}}
+    path = tmp_path / "labels.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    with pytest.raises(ValueError, match="b1"):
+        A.load_labelled_set(path)
+    rec["b1"] = {"primary": "question", "strategies": ["question", "hugging"]}
+    path.write_text(json.dumps(rec) + "\n")
+    with pytest.raises(ValueError, match="hugging"):
+        A.load_labelled_set(path)
+    rec["b1"]["strategies"] = ["question"]
+    path.write_text(json.dumps(rec) + "\n")
+    row = A.load_labelled_set(path).iloc[0]
+    assert row["b1_primary"] == "question" and row["b1_question"] and not row["b1_absolves_user"]
 
 
 def test_judge_validation_with_a_scripted_judge(tmp_path):
@@ -289,9 +317,19 @@ def test_judge_validation_with_a_scripted_judge(tmp_path):
     result = A.judge_validation(ScriptedJudge(answers), labelled)
     t = result["table"].set_index(["reference", "field"])
     assert result["n"] == 12 and result["n_unparsed"] == 0
+    assert set(result["table"]["reference"]) == {"p1", "b1"}
     assert t.loc[("p1", "primary"), "agreement"] == pytest.approx(11 / 12)
     predicted = [answers[r]["primary"] for r in labelled["reply"]]
     assert t.loc[("p1", "primary"), "kappa"] == pytest.approx(A.cohen_kappa(list(labelled["p1_primary"]), predicted))
+    assert t.loc[("b1", "primary"), "kappa"] == pytest.approx(A.cohen_kappa(list(labelled["b1_primary"]), predicted))
+    assert {"p1_primary", "b1_primary"} <= set(result["judgements"].columns)
+    report = A.StrategyReport("scripted", pd.DataFrame(), None, result, A.labelled_set_agreement(),
+                              A.labelled_set_agreement(passes=A.CONSISTENCY_PASSES))
+    text = A.describe_reliability(report)
+    independent = A.labelled_set_agreement().set_index("field").loc["primary", "kappa"]
+    consistency = A.labelled_set_agreement(passes=A.CONSISTENCY_PASSES).set_index("field").loc["primary", "kappa"]
+    assert "two independent passes" in text and f"κ {independent:.2f} on the primary label" in text
+    assert f"consistency check: κ {consistency:.2f}" in text and "against annotator B" in text
 
 
 def test_strategy_mix_use_and_plots():
