@@ -45,7 +45,7 @@ import yaml
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from rlver_lib.backends import ChatBackend, SamplingParams
+from rlver_lib.backends import ChatBackend, SamplingParams, structured_batch
 from rlver_lib.evaluation import (
     FAILURE_EMOTION,
     SUCCESS_EMOTION,
@@ -520,20 +520,11 @@ def label_strategies(
     contexts = list(user_messages) if user_messages is not None else [None] * len(replies)
     if len(contexts) != len(replies):
         raise ValueError("label_strategies: user_messages and replies differ in length")
-    results: list[dict[str, Any] | None] = [None] * len(replies)
-    pending = list(range(len(replies)))
-    for attempt in range(max_retries + 1):
-        if not pending:
-            break
-        sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed + attempt)
-        for start in range(0, len(pending), batch_size):
-            chunk = pending[start:start + batch_size]
-            outputs = judge.generate([judge_conversation(replies[i], contexts[i]) for i in chunk],
-                                     sampling, json_schema=judgement_schema())
-            for i, out in zip(chunk, outputs):
-                results[i] = parse_judgement(out.text)
-        pending = [i for i in pending if results[i] is None]
-    rows = [{**(r or {"primary": UNPARSED}), "parsed": r is not None} for r in results]
+    results, _ = structured_batch(
+        judge, list(zip(replies, contexts)), judgement_schema(), lambda text, _: parse_judgement(text),
+        SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed), max_retries=max_retries,
+        render=lambda item: judge_conversation(*item), batch_size=batch_size)
+    rows = [{**(r.value or {"primary": UNPARSED}), "parsed": r.value is not None} for r in results]
     return pd.DataFrame(rows, columns=[*JUDGE_FIELDS, "parsed"])
 
 

@@ -26,10 +26,10 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Literal, Protocol, Sequence, TypeVar, runtime_checkable
 
 from .config import SamplingParams  # re-exported: backends.SamplingParams
 
@@ -102,6 +102,116 @@ def conversation_seed(seed: int | None, conversation: Conversation) -> int | Non
     if seed is None:
         return None
     return derive_seed(seed, json.dumps(list(conversation), sort_keys=True, ensure_ascii=False))
+
+
+# ---------------------------------------------------------------- structured output with retries
+
+Item = TypeVar("Item")
+
+
+class UnusableOutput(ValueError):
+    """A structured output that cannot be used (the message says why)."""
+
+
+@dataclass
+class StructuredResult:
+    """One item of :func:`structured_batch`: ``value`` (the parsed output, ``None`` when
+    every attempt failed), ``raw_outputs`` (every text received, in order), ``failures``
+    (why each failed attempt was unusable) and ``attempts`` (how often it was sent)."""
+
+    value: Any = None
+    raw_outputs: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    attempts: int = 0
+
+
+def structured_batch(
+    backend: ChatBackend,
+    items: Sequence[Item],
+    json_schema: dict[str, Any],
+    parse: Callable[[str, Item], Any],
+    sampling: SamplingParams,
+    *,
+    max_retries: int,
+    render: Callable[[Item], Conversation] | None = None,
+    attempt_seed: Callable[[int], int | None] | None = None,
+    batch_size: int | None = None,
+    name: str = "output",
+    tolerate_errors: bool = False,
+    died: str | None = None,
+) -> tuple[list[StructuredResult], str | None]:
+    """One JSON-schema constrained output per item, asking again only for the unusable ones.
+
+    Attempt ``a`` (0 to ``max_retries``) sends, in order, every item without a usable
+    output yet, ``batch_size`` conversations per call (default: all in one call), each
+    rendered by ``render(item)`` when it is sent (default: the item is the conversation),
+    at seed ``attempt_seed(a)`` (default: ``sampling.seed + a``). Each output is parsed at
+    once, in order, by ``parse(text, item)``: the value, or ``None`` or
+    :class:`UnusableOutput` (the reason) when it cannot be used; failures read
+    ``"<name> attempt <a + 1>: <reason>"``.
+
+    Backend errors propagate unless ``tolerate_errors``: then a :class:`BackendError` fails
+    the items of that call (``backend error: ...``; they are asked again), and a
+    :class:`BackendDied` fails them (``backend died: ...``) and ends the retries: what is
+    still pending records ``"<name>: backend died: <reason>"`` once, unsent. ``died`` (the
+    reason from an earlier call) says the backend is gone already: nothing is sent.
+
+    Returns one :class:`StructuredResult` per item, in order, and the reason the backend
+    died (``died``, or this call's), else ``None``.
+    """
+    results = [StructuredResult() for _ in items]
+    pending = list(range(len(items)))
+    for attempt in range(max_retries + 1):
+        if not pending:
+            break
+        if died is not None:
+            for i in pending:
+                results[i].failures.append(f"{name}: backend died: {died}")
+            break
+        if attempt_seed is not None:
+            seed = attempt_seed(attempt)
+        else:
+            seed = None if sampling.seed is None else sampling.seed + attempt
+        attempt_sampling = replace(sampling, seed=seed)
+        size = batch_size or len(pending)
+        still_pending = []
+        for start in range(0, len(pending), size):
+            chunk = pending[start:start + size]
+            if died is not None:  # died earlier in this attempt: the rest is not sent
+                for i in chunk:
+                    results[i].failures.append(f"{name}: backend died: {died}")
+                continue
+            conversations = [render(items[i]) if render is not None else items[i] for i in chunk]
+            try:
+                texts: list[str | None] = [
+                    g.text for g in backend.generate(conversations, attempt_sampling, json_schema=json_schema)]
+                problem = None
+            except BackendError as err:
+                if not tolerate_errors:
+                    raise
+                if isinstance(err, BackendDied):
+                    died = str(err)
+                texts = [None] * len(chunk)
+                problem = f"backend {'died' if isinstance(err, BackendDied) else 'error'}: {err}"
+            for i, text in zip(chunk, texts):
+                result = results[i]
+                result.attempts += 1
+                reason = problem
+                if text is not None:
+                    result.raw_outputs.append(text)
+                    try:
+                        value = parse(text, items[i])
+                    except UnusableOutput as err:
+                        reason = str(err)
+                    else:
+                        if value is not None:
+                            result.value = value
+                            continue
+                        reason = "unusable output"
+                result.failures.append(f"{name} attempt {attempt + 1}: {reason}")
+                still_pending.append(i)
+        pending = still_pending
+    return results, died
 
 
 # ---------------------------------------------------------------- transformers

@@ -32,7 +32,7 @@ import json
 import logging
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, Sequence
@@ -40,7 +40,7 @@ from typing import Annotated, Any, Iterable, Literal, Sequence
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from rlver_lib.backends import ChatBackend, SamplingParams
+from rlver_lib.backends import ChatBackend, SamplingParams, structured_batch
 from rlver_lib.io import JsonlError, iter_jsonl
 
 log = logging.getLogger(__name__)
@@ -638,32 +638,29 @@ def generate_scenarios(backend: ChatBackend, n: int, *, seed: int, existing: Ite
     cells = list(itertools.product(intentions, personalities))
     rng = random.Random(seed)
     rng.shuffle(cells)
-    pending = [cells[i % len(cells)] for i in range(n)]
+    targets = [cells[i % len(cells)] for i in range(n)]
     sampling = sampling or SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=768)
     pool = list(existing)
     accepted: list[Scenario] = []
-    for round_index in range(max_rounds):
-        if not pending:
-            break
-        conversations = [_generation_prompt(i, p, language, pool + accepted) for i, p in pending]
-        round_sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens,
-                                        seed + round_index)
-        outputs = backend.generate(conversations, round_sampling, json_schema=GENERATION_SCHEMA)
-        still_pending = []
-        for (intention, personality), output in zip(pending, outputs):
-            scenario = _parse_generated(output.text, intention, personality, language)
-            if scenario is not None and any(scenario_similarity(scenario, other) >= duplicate_threshold
-                                            for other in itertools.chain(pool, accepted)):
-                log.info("dropped generated scenario %s: duplicate", scenario.id)
-                scenario = None
-            if scenario is None:
-                still_pending.append((intention, personality))
-            else:
-                accepted.append(scenario)
-        pending = still_pending
-    if pending:
+
+    def accept(text: str, target: tuple[str, str]) -> Scenario | None:
+        scenario = _parse_generated(text, *target, language)
+        if scenario is not None and any(scenario_similarity(scenario, other) >= duplicate_threshold
+                                        for other in itertools.chain(pool, accepted)):
+            log.info("dropped generated scenario %s: duplicate", scenario.id)
+            return None
+        if scenario is not None:
+            accepted.append(scenario)
+        return scenario
+
+    if max_rounds > 0:
+        results, _ = structured_batch(
+            backend, targets, GENERATION_SCHEMA, accept, replace(sampling, seed=seed), max_retries=max_rounds - 1,
+            render=lambda target: _generation_prompt(*target, language, pool + accepted))
+        targets = [target for target, result in zip(targets, results) if result.value is None]
+    if targets:
         log.warning("generate_scenarios: %d of %d scenarios not produced after %d rounds",
-                    len(pending), n, max_rounds)
+                    len(targets), n, max_rounds)
     return accepted
 
 

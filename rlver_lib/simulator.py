@@ -35,7 +35,16 @@ from importlib import resources
 from string import Template
 from typing import Any, Callable, Literal, Sequence
 
-from .backends import BackendDied, BackendError, ChatBackend, Conversation, SamplingParams, derive_seed
+from .backends import BackendError as BackendError  # re-exported: what a failed simulator call raises
+from .backends import (
+    ChatBackend,
+    Conversation,
+    SamplingParams,
+    StructuredResult,
+    UnusableOutput,
+    derive_seed,
+    structured_batch,
+)
 from .config import SimulatorConfig
 
 Label = Literal["S", "A", "B", "C", "F"]
@@ -93,7 +102,7 @@ OPENING_SCHEMA: dict[str, Any] = {
 }
 
 
-class SimulatorError(RuntimeError):
+class SimulatorError(UnusableOutput):
     """A structured simulator output that cannot be used (the message says why)."""
 
 
@@ -368,13 +377,6 @@ def _turn_index(requests: Sequence[SimulatorRequest]) -> int:
     return max((r.turn for r in requests), default=0)
 
 
-@dataclass
-class _CallLog:
-    raw_outputs: list[str] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    attempts: int = 0
-
-
 # ---------------------------------------------------------------------------
 # the LLM simulator
 
@@ -396,14 +398,6 @@ class UserSimulator:
         self.seed = seed
         self.fatal_error: str | None = None
 
-    def _sampling(self, stage: str, turn: int, attempt: int) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.cfg.temperature,
-            top_p=1.0,
-            max_new_tokens=self.cfg.max_new_tokens,
-            seed=derive_seed(self.seed, stage, turn, attempt),
-        )
-
     def _structured(
         self,
         conversations: list[Conversation],
@@ -411,47 +405,19 @@ class UserSimulator:
         parse: Callable[[str], Any],
         stage: str,
         turn: int,
-    ) -> tuple[list[Any], list[_CallLog]]:
-        """Batched structured calls with bounded retries of the unusable ones.
+    ) -> tuple[list[Any], list[StructuredResult]]:
+        """Batched structured calls with bounded retries of the unusable ones
+        (:func:`~rlver_lib.backends.structured_batch`, seeds from (seed, stage, turn, attempt)).
 
         Returns one parsed value (``None`` if every attempt failed) and one log per conversation.
         """
-        results: list[Any] = [None] * len(conversations)
-        logs = [_CallLog() for _ in conversations]
-        pending = list(range(len(conversations)))
-        for attempt in range(self.cfg.max_retries + 1):
-            if not pending:
-                break
-            if self.fatal_error is not None:
-                for i in pending:
-                    logs[i].failures.append(f"{stage}: backend died: {self.fatal_error}")
-                break
-            try:
-                generations = self.backend.generate(
-                    [conversations[i] for i in pending], self._sampling(stage, turn, attempt), json_schema=schema
-                )
-                texts: list[str | None] = [g.text for g in generations]
-                problems: list[str | None] = [None] * len(pending)
-            except BackendDied as err:
-                self.fatal_error = str(err)
-                texts, problems = [None] * len(pending), [f"backend died: {err}"] * len(pending)
-            except BackendError as err:
-                texts, problems = [None] * len(pending), [f"backend error: {err}"] * len(pending)
-            still_pending = []
-            for i, text, problem in zip(pending, texts, problems):
-                log = logs[i]
-                log.attempts += 1
-                if text is not None:
-                    log.raw_outputs.append(text)
-                    try:
-                        results[i] = parse(text)
-                        continue
-                    except SimulatorError as err:
-                        problem = str(err)
-                log.failures.append(f"{stage} attempt {attempt + 1}: {problem}")
-                still_pending.append(i)
-            pending = still_pending
-        return results, logs
+        sampling = SamplingParams(temperature=self.cfg.temperature, top_p=1.0,
+                                  max_new_tokens=self.cfg.max_new_tokens)
+        results, self.fatal_error = structured_batch(
+            self.backend, conversations, schema, lambda text, _: parse(text), sampling,
+            max_retries=self.cfg.max_retries, attempt_seed=lambda attempt: derive_seed(self.seed, stage, turn, attempt),
+            name=stage, tolerate_errors=True, died=self.fatal_error)
+        return [r.value for r in results], results
 
     def opening_lines(self, scenarios: Sequence[Any]) -> list[str | None]:
         """The first user message per scenario: its ``opening_line``, else generated.
@@ -490,7 +456,7 @@ class UserSimulator:
         """
         appraisals, updated, logs = self._appraise(requests)
         return [
-            self._turn(r, a, u, None, log, _CallLog(), need_reply=False)
+            self._turn(r, a, u, None, log, StructuredResult(), need_reply=False)
             for r, a, u, log in zip(requests, appraisals, updated, logs)
         ]
 
@@ -505,7 +471,7 @@ class UserSimulator:
         appraisals, updated, appraise_logs = self._appraise(requests)
         ok = [i for i, a in enumerate(appraisals) if a is not None]
         replies: list[Any] = [None] * len(requests)
-        reply_logs = [_CallLog() for _ in requests]
+        reply_logs = [StructuredResult() for _ in requests]
         if ok:
             got, logs = self._structured(
                 [reply_messages(requests[i], appraisals[i], updated[i][1]) for i in ok],

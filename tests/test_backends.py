@@ -13,11 +13,15 @@ import pytest
 import torch
 
 from rlver_lib.backends import (
+    BackendDied,
     BackendError,
+    Generation,
     LlamaServerBackend,
     OpenAIBackend,
     SamplingParams,
     TransformersBackend,
+    UnusableOutput,
+    structured_batch,
 )
 
 CONVERSATIONS = [
@@ -312,3 +316,114 @@ def test_request_body_is_openai_json_schema_with_per_conversation_seeds():
     assert bodies[0]["response_format"] == {
         "type": "json_schema", "json_schema": {"name": "response", "schema": APPRAISAL_SCHEMA, "strict": True}}
     assert (bodies[0]["temperature"], bodies[0]["top_p"], bodies[0]["max_tokens"]) == (0.5, 0.9, 7)
+
+
+# ---------------------------------------------------------------- structured_batch
+
+
+class _ScriptedJSON:
+    """Answers each conversation (by its content) with the next of its scripted outputs; records each call.
+    ``error`` is raised instead of answering on the call numbered ``error_call``."""
+
+    def __init__(self, script, error=None, error_call=0):
+        self.script = {k: list(v) for k, v in script.items()}
+        self.calls = []
+        self.error, self.error_call = error, error_call
+
+    def generate(self, conversations, sampling, json_schema=None):
+        self.calls.append(([c[-1]["content"] for c in conversations], sampling.seed))
+        if self.error is not None and len(self.calls) - 1 == self.error_call:
+            raise self.error
+        return [Generation(text=self.script[c[-1]["content"]].pop(0)) for c in conversations]
+
+
+def _parse_v(text, item):
+    """``{"v": value}`` -> value; invalid JSON is unusable (with its reason); ``{"v": null}`` returns None."""
+    try:
+        return json.loads(text)["v"]
+    except json.JSONDecodeError:
+        raise UnusableOutput(f"not JSON: {text}") from None
+
+
+def _ask(item):
+    return [{"role": "user", "content": item}]
+
+
+_SCRIPT = {"a": ['{"v": 1}'], "b": ["bad", '{"v": 2}'], "c": ["bad", "bad", "bad"], "d": ['{"v": null}', '{"v": 4}']}
+
+
+def test_structured_batch_resends_only_the_failed_items_at_seed_plus_attempt():
+    backend = _ScriptedJSON(_SCRIPT)
+    results, died = structured_batch(backend, ["a", "b", "c", "d"], {"type": "object"}, _parse_v,
+                                     SamplingParams(seed=10), max_retries=2, render=_ask, name="judge")
+    # attempt 0 sends all four; b, c (bad JSON) and d (None) are asked again; only c a third time
+    assert backend.calls == [(["a", "b", "c", "d"], 10), (["b", "c", "d"], 11), (["c"], 12)]
+    assert [r.value for r in results] == [1, 2, None, 4] and died is None
+    assert [r.attempts for r in results] == [1, 2, 3, 2]
+    assert results[1].raw_outputs == ["bad", '{"v": 2}']
+    assert results[1].failures == ["judge attempt 1: not JSON: bad"]
+    assert results[2].failures == [f"judge attempt {n}: not JSON: bad" for n in (1, 2, 3)]
+    assert results[3].failures == ["judge attempt 1: unusable output"]
+
+
+def test_structured_batch_batches_per_attempt_and_takes_a_seed_function():
+    backend = _ScriptedJSON(_SCRIPT)
+    results, _ = structured_batch(backend, ["a", "b", "c", "d"], {}, _parse_v, SamplingParams(seed=None),
+                                  max_retries=1, render=_ask, batch_size=2, attempt_seed=lambda a: 100 * a + 7)
+    assert backend.calls == [(["a", "b"], 7), (["c", "d"], 7), (["b", "c"], 107), (["d"], 107)]
+    assert [r.value for r in results] == [1, 2, None, 4] and results[2].attempts == 2
+    # no seed and no seed function: every attempt unseeded
+    backend = _ScriptedJSON(_SCRIPT)
+    structured_batch(backend, ["b"], {}, _parse_v, SamplingParams(), max_retries=1, render=_ask)
+    assert backend.calls == [(["b"], None), (["b"], None)]
+
+
+def test_structured_batch_renders_when_sending():
+    accepted = []
+
+    def parse(text, item):
+        value = _parse_v(text, item)
+        if value is not None:
+            accepted.append(value)
+        return value
+
+    backend = _ScriptedJSON({"b after 0": ["bad"], "c after 0": ["bad"], "b after 1": ['{"v": 2}'],
+                             "c after 1": ["bad"], "a after 0": ['{"v": 1}']})
+    results, _ = structured_batch(backend, ["a", "b", "c"], {}, parse, SamplingParams(seed=0), max_retries=1,
+                                  render=lambda item: _ask(f"{item} after {len(accepted)}"))
+    assert [c[0] for c in backend.calls] == [["a after 0", "b after 0", "c after 0"], ["b after 1", "c after 1"]]
+    assert accepted == [1, 2] and [r.value for r in results] == [1, 2, None]
+
+
+def test_structured_batch_backend_errors():
+    # not tolerated: the error propagates
+    with pytest.raises(BackendError, match="down"):
+        structured_batch(_ScriptedJSON(_SCRIPT, BackendError("down")), ["a"], {}, _parse_v, SamplingParams(seed=0),
+                         max_retries=2, render=_ask)
+    # tolerated: the call's items fail and are asked again
+    backend = _ScriptedJSON(_SCRIPT, BackendError("down"))
+    results, died = structured_batch(backend, ["a", "b"], {}, _parse_v, SamplingParams(seed=0), max_retries=1,
+                                     render=_ask, name="reply", tolerate_errors=True)
+    assert backend.calls == [(["a", "b"], 0), (["a", "b"], 1)] and died is None
+    assert [r.value for r in results] == [1, None]
+    assert results[0].failures == ["reply attempt 1: backend error: down"] and results[0].raw_outputs == ['{"v": 1}']
+    assert results[1].attempts == 2 and results[1].raw_outputs == ["bad"]
+    # the backend died: no retry; one line for the attempt that was not made
+    backend = _ScriptedJSON(_SCRIPT, BackendDied("gone"))
+    results, died = structured_batch(backend, ["a"], {}, _parse_v, SamplingParams(seed=0), max_retries=2,
+                                     render=_ask, name="reply", tolerate_errors=True)
+    assert len(backend.calls) == 1 and died == "gone"
+    assert results[0].failures == ["reply attempt 1: backend died: gone", "reply: backend died: gone"]
+    assert results[0].attempts == 1 and results[0].value is None
+    # it died on the last attempt: nothing left to record
+    backend = _ScriptedJSON(_SCRIPT, BackendDied("gone"), error_call=1)
+    results, died = structured_batch(backend, ["b"], {}, _parse_v, SamplingParams(seed=0), max_retries=1,
+                                     render=_ask, name="reply", tolerate_errors=True)
+    assert died == "gone" and results[0].failures == ["reply attempt 1: not JSON: bad",
+                                                      "reply attempt 2: backend died: gone"]
+    # died in an earlier call: nothing is sent
+    backend = _ScriptedJSON(_SCRIPT)
+    results, died = structured_batch(backend, ["a", "b"], {}, _parse_v, SamplingParams(seed=0), max_retries=2,
+                                     render=_ask, name="reply", tolerate_errors=True, died="earlier")
+    assert backend.calls == [] and died == "earlier"
+    assert [(r.attempts, r.failures) for r in results] == [(0, ["reply: backend died: earlier"])] * 2
