@@ -42,6 +42,7 @@ from .simulator import (
     SimulatorRequest,
     SimulatorTurn,
     prompt_text,
+    scenario_language,
 )
 
 __all__ = [
@@ -123,9 +124,7 @@ def policy_messages(scenario: Any, history: Sequence[dict[str, str]], think: boo
     ``history`` holds only visible messages (``role`` user/assistant,
     ``content``): never thoughts, never simulator fields.
     """
-    language = getattr(scenario, "language", "en")
-    if language not in ("en", "zh"):
-        raise ValueError(f"scenario {getattr(scenario, 'id', '?')}: unsupported language {language!r}")
+    language = scenario_language(scenario)
     system = prompt_text(f"policy_{'think' if think else 'nothink'}_{language}.txt").strip()
     return [{"role": "system", "content": system}] + [
         {"role": m["role"], "content": m["content"]} for m in history

@@ -204,7 +204,9 @@ def _vocab(language: str) -> dict[str, Any]:
     return json.loads(prompt_text(f"sim_vocab_{language}.json"))
 
 
-def _language(scenario: Any) -> str:
+def scenario_language(scenario: Any) -> str:
+    """The scenario's ``language`` (default ``"en"``); ``ValueError`` unless it is ``en`` or ``zh``,
+    the languages the prompts are written in."""
     language = getattr(scenario, "language", "en")
     if language not in ("en", "zh"):
         raise ValueError(f"scenario {getattr(scenario, 'id', '?')}: unsupported language {language!r}")
@@ -229,7 +231,7 @@ def _system_prompt(scenario: Any) -> str:
     """The static part of every simulator prompt: persona, situation, personality,
     hidden intention. It never changes within a dialogue (no score, no mood), so a
     server's prompt cache reuses it, and the transcript after it, from call to call."""
-    language = _language(scenario)
+    language = scenario_language(scenario)
     personality = getattr(scenario, "personality", "")
     return _fill(
         f"sim_system_{language}.txt",
@@ -258,7 +260,7 @@ def appraise_messages(request: SimulatorRequest, difficulty: Difficulty) -> Conv
     per-call instruction with the current score, so this turn's prompt up to the end
     of the transcript is a prefix of the next turn's and of this turn's reply call.
     """
-    language = _language(request.scenario)
+    language = scenario_language(request.scenario)
     label = label_for(request.emotion)
     user = _fill(
         f"sim_appraise_{language}.txt",
@@ -277,7 +279,7 @@ def appraise_messages(request: SimulatorRequest, difficulty: Difficulty) -> Conv
 def reply_messages(request: SimulatorRequest, appraisal: dict[str, Any], emotion: int) -> Conversation:
     """Chat messages of the reply step, given the appraisal and the updated emotion
     (same layout as :func:`appraise_messages`)."""
-    language = _language(request.scenario)
+    language = scenario_language(request.scenario)
     label = label_for(emotion)
     vocab = _vocab(language)
     user = _fill(
@@ -304,7 +306,7 @@ def opening_messages(scenario: Any, emotion: int) -> Conversation:
     """
     return [
         {"role": "system", "content": _system_prompt(scenario)},
-        {"role": "user", "content": _fill(f"sim_opening_{_language(scenario)}.txt")},
+        {"role": "user", "content": _fill(f"sim_opening_{scenario_language(scenario)}.txt")},
     ]
 
 
@@ -548,7 +550,7 @@ class RuleSimulator:
 
     def opening_lines(self, scenarios: Sequence[Any]) -> list[str | None]:
         """The scenario's opening line, else a fixed greeting in its language."""
-        return [getattr(s, "opening_line", None) or DEFAULT_OPENING[_language(s)] for s in scenarios]
+        return [getattr(s, "opening_line", None) or DEFAULT_OPENING[scenario_language(s)] for s in scenarios]
 
     def step(self, requests: Sequence[SimulatorRequest]) -> list[SimulatorTurn]:
         """Apply ``change_fn`` to each latest policy reply, then the update rule."""
@@ -560,7 +562,7 @@ class RuleSimulator:
             if self.reply_fn is not None:
                 message, goodbye = self.reply_fn(request, emotion)
             else:
-                replies = RULE_REPLIES[_language(request.scenario)]
+                replies = RULE_REPLIES[scenario_language(request.scenario)]
                 message, goodbye = replies.get(label, replies["other"]), False
             turns.append(
                 SimulatorTurn(
