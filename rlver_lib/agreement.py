@@ -131,6 +131,45 @@ def sample_turns(turns: Sequence[ReplayTurn], n: int | None, seed: int) -> list[
     return [turns[i] for i in chosen]
 
 
+def sample_dialogues(turns: Sequence[ReplayTurn], n: int | None, seed: int) -> list[ReplayTurn]:
+    """Every turn of ``n`` dialogues drawn without replacement
+    (``numpy.random.default_rng(seed)``), kept in file order; all turns when ``n`` is
+    ``None`` or not smaller than the number of dialogues.  A clustered sample: a judge
+    re-reads a dialogue's long profile once per slot, so whole dialogues cost far less
+    per turn than turns scattered over many dialogues.  Raises ``ValueError`` for n < 1.
+    """
+    names = list(dict.fromkeys(t.dialogue for t in turns))
+    if n is None or n >= len(names):
+        return list(turns)
+    if n < 1:
+        raise ValueError(f"dialogues must be >= 1, got {n}")
+    chosen = {names[i] for i in np.random.default_rng(seed).choice(len(names), size=n, replace=False)}
+    return [t for t in turns if t.dialogue in chosen]
+
+
+def lane_order(turns: Sequence[ReplayTurn], lanes: int) -> list[list[int]]:
+    """Batches of indices into ``turns``: each batch holds at most one turn per dialogue,
+    and one dialogue's turns go out in order in consecutive batches (a "lane" keeps a
+    dialogue until its turns run out, then takes the next one).  A server that keeps
+    each request's prompt in a slot then finds the previous turn's prompt, a prefix of
+    the next one, already computed.  Raises ``ValueError`` for lanes < 1.
+    """
+    if lanes < 1:
+        raise ValueError(f"lanes must be >= 1, got {lanes}")
+    queues: dict[str, list[int]] = {}
+    for i, t in enumerate(turns):
+        queues.setdefault(t.dialogue, []).append(i)
+    waiting = list(queues.values())
+    active: list[list[int]] = []
+    batches: list[list[int]] = []
+    while waiting or active:
+        while waiting and len(active) < lanes:
+            active.append(waiting.pop(0))
+        batches.append([queue.pop(0) for queue in active])
+        active = [queue for queue in active if queue]
+    return batches
+
+
 def appraise_turns(simulator: Any, turns: Sequence[ReplayTurn], scenarios: dict[str, Any], *,
                    batch_size: int = 8, progress: bool = True, desc: str = "judge appraisals",
                    errors: list[str | None] | None = None) -> list[int | None]:
@@ -139,25 +178,28 @@ def appraise_turns(simulator: Any, turns: Sequence[ReplayTurn], scenarios: dict[
     given, ``None`` for the turns that worked).
 
     Uses ``simulator.appraise`` (appraisal only) when it has one, else ``simulator.step``;
-    ``batch_size`` requests per call, with a progress bar.
+    ``batch_size`` requests per call, in :func:`lane_order` (one turn per dialogue per
+    call, each dialogue's turns in order), with a progress bar.
     """
     from rlver_lib.simulator import SimulatorRequest
 
     call: Callable[[list[Any]], list[Any]] = getattr(simulator, "appraise", None) or simulator.step
-    changes: list[int | None] = []
+    changes: list[int | None] = [None] * len(turns)
+    reasons: list[str | None] = [None] * len(turns)
     with tqdm(total=len(turns), desc=desc, unit="turn", disable=not progress) as bar:
-        for start in range(0, len(turns), batch_size):
-            batch = turns[start:start + batch_size]
-            requests = [SimulatorRequest(f"{t.dialogue}@{t.turn}", scenarios[t.dialogue], [dict(m) for m in t.history],
-                                         t.emotion_before, t.turn) for t in batch]
+        for batch in lane_order(turns, batch_size):
+            requests = [SimulatorRequest(f"{turns[i].dialogue}@{turns[i].turn}", scenarios[turns[i].dialogue],
+                                         [dict(m) for m in turns[i].history], turns[i].emotion_before, turns[i].turn)
+                        for i in batch]
             results = {r.dialogue_id: r for r in call(requests)}
-            for request in requests:
+            for i, request in zip(batch, requests):
                 result = results[request.dialogue_id]
                 failed = result.error is not None or result.change is None
-                changes.append(None if failed else int(result.change))
-                if errors is not None:
-                    errors.append((result.error or "no change") if failed else None)
+                changes[i] = None if failed else int(result.change)
+                reasons[i] = (result.error or "no change") if failed else None
             bar.update(len(batch))
+    if errors is not None:
+        errors.extend(reasons)
     return changes
 
 
@@ -335,13 +377,14 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def judge_agreement_command(files: Sequence[str], *, params: str | None = None, overrides: Sequence[str] = (),
-                            sample: int | None = None, seed: int = 0, json_out: str | None = None,
-                            progress: bool = True) -> int:
+                            sample: int | None = None, dialogues: int | None = None, seed: int = 0,
+                            json_out: str | None = None, progress: bool = True) -> int:
     """``rlver judge-agreement FILE ... [--params P] [--set k=v ...] [--sample N] [--seed S] [--json OUT]``.
 
     The judge assessed is ``evaluation.judge`` of the params (default settings when no
     ``--params``) with the ``--set`` overrides.  ``--sample``: turns drawn at random
-    (seed ``--seed``); ``--json``: write the result (``n_turns``, ``spearman``,
+    (seed ``--seed``); ``--dialogues``: every turn of that many dialogues drawn at random
+    (applied first, when both are given); ``--json``: write the result (``n_turns``, ``spearman``,
     ``spearman_ci``, ``sign_agreement``, ``mae``, ...) to OUT.  Returns 0, or 2 after
     printing the error when a file is missing or bad (a bad config raises
     :class:`rlver_lib.config.ConfigError`).
@@ -354,7 +397,7 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
     cfg = load_config(params, list(overrides)) if params else build_config({}, list(overrides))
     try:
         turns, scenarios = load_replay(files)
-        chosen = sample_turns(turns, sample, seed)
+        chosen = sample_turns(sample_dialogues(turns, dialogues, seed), sample, seed)
     except (FileNotFoundError, JsonlError, ScenarioFileError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -372,7 +415,7 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
     finally:
         close_simulator(judge)
     result = {"judge": judge_description(cfg.evaluation.judge, judge_seed(cfg.evaluation, cfg.seed)),
-              "files": [str(f) for f in files], "sample": sample, "seed": seed,
+              "files": [str(f) for f in files], "sample": sample, "dialogues": dialogues, "seed": seed,
               "n_available_turns": len(turns), **result}
     print(format_report(result))
     if json_out:

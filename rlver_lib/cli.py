@@ -4,7 +4,7 @@
     rlver ablate GRID.yaml [--set key=value ...]     every grid cell, then one comparison report
     rlver eval PARAMS.yaml [--set key=value ...]     the benchmark alone (base model or policy.adapter)
     rlver sage-score FILE [FILE ...] [--json]        Sentient score of SAGE-format transcripts (and their protocol)
-    rlver judge-agreement FILE [FILE ...] [--params P] [--set key=value ...] [--sample N] [--seed S] [--json OUT]
+    rlver judge-agreement FILE [FILE ...] [--params P] [--set key=value ...] [--sample N] [--dialogues D] [--seed S] [--json OUT]
                                                      the benchmark judge against SAGE's stored judgements
     rlver scenarios validate FILE                    exit 0 when valid, else file/line/field named
     rlver models prepare                             convert and check the embedded models
@@ -77,7 +77,7 @@ def _cmd_judge_agreement(args: argparse.Namespace) -> int:
     from .agreement import judge_agreement_command
 
     return judge_agreement_command(args.files, params=args.params, overrides=args.set, sample=args.sample,
-                                   seed=args.seed, json_out=args.json, progress=not args.no_progress)
+                                   dialogues=args.dialogues, seed=args.seed, json_out=args.json, progress=not args.no_progress)
 
 
 def _cmd_sage_score(args: argparse.Namespace) -> int:
@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     agree.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="dotted config override, e.g. evaluation.judge.backend=rule (repeatable)")
     agree.add_argument("--sample", type=int, default=None, metavar="N", help="replay N turns drawn at random")
+    agree.add_argument("--dialogues", type=int, default=None, metavar="D",
+                       help="replay every turn of D dialogues drawn at random (far cheaper per turn for a "
+                       "local judge: each dialogue's long profile is read once)")
     agree.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the turn sample and the bootstrap")
     agree.add_argument("--json", default=None, metavar="OUT", help="write the figures as JSON to OUT")
     agree.add_argument("--no-progress", action="store_true", help="hide the progress bar")

@@ -13,12 +13,14 @@ from rlver_lib.agreement import (
     agreement_metrics,
     bucket,
     judge_agreement,
+    lane_order,
     load_replay,
     replay_turns,
+    sample_dialogues,
     sample_turns,
 )
 from rlver_lib.cli import main
-from rlver_lib.simulator import SimulatorTurn, apply_change, label_for
+from rlver_lib.simulator import SimulatorTurn, apply_change, mood_for
 
 SHARED = Path(os.environ.get("RLVER_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 SAGE = SHARED / "sage_results"
@@ -57,7 +59,7 @@ class ScriptedJudge:
             self.requests.append(r)
             raw = int(r.history[-1]["content"].split("=")[1])
             change, e = apply_change(r.emotion, raw)
-            out.append(SimulatorTurn(r.dialogue_id, change, raw, r.emotion, e, label_for(e), {}, None, False))
+            out.append(SimulatorTurn(r.dialogue_id, change, raw, r.emotion, e, mood_for(e), {}, None, False))
         return out
 
 
@@ -92,7 +94,7 @@ def test_two_dialogue_case_with_known_rho_and_mae(two_file):
     assert counts[">=5"] == [0, 0, 0, 1, 1] and counts["-4..-1"] == [0, 1, 0, 0, 0]
     assert counts["0"] == [0, 0, 0, 1, 0] and counts["<=-5"] == [0, 1, 0, 0, 0]
     # each appraisal saw the recorded emotion before it and the history up to its reply only
-    seen = judge.requests[1]
+    seen = next(q for q in judge.requests if q.dialogue_id.endswith(":A@1"))
     assert seen.emotion == 45 and seen.history[-1] == {"role": "assistant", "content": "c=-1"}
     assert [m["role"] for m in seen.history] == ["user", "assistant", "user", "assistant"]
     assert seen.scenario.hidden_intention == "be_heard" and "####" not in seen.scenario.situation_text
@@ -141,6 +143,30 @@ def test_buckets_and_sampling():
     picked = sample_turns(turns, 3, seed=1)
     assert len(picked) == 3 and picked == [t for t in turns if t in picked]  # file order kept
     assert sample_turns(turns, 3, seed=1) == picked and sample_turns(turns, None, 0) == turns
+
+
+def test_dialogue_sample_keeps_whole_dialogues():
+    turns = replay_turns(TWO[0], "f") + replay_turns(TWO[1], "f")
+    picked = sample_dialogues(turns, 1, seed=0)
+    assert picked in (turns[:3], turns[3:])  # all of A's 3 turns or all of B's 2
+    assert sample_dialogues(turns, 5, seed=0) == turns
+    with pytest.raises(ValueError):
+        sample_dialogues(turns, 0, seed=0)
+
+
+def test_lane_order_one_turn_per_dialogue_per_batch_in_order(two_file):
+    # dialogues A (turns 0-2), B (3-4), C (5); two lanes: A and B start, C takes B's lane
+    turns = replay_turns(TWO[0], "f") + replay_turns(TWO[1], "f") + [
+        t for t in replay_turns(TWO[1], "g")][:1]
+    assert lane_order(turns, 2) == [[0, 3], [1, 4], [2, 5]]
+    assert lane_order(turns, 1) == [[0], [1], [2], [3], [4], [5]]
+    assert lane_order(turns, 8) == [[0, 3, 5], [1, 4], [2]]
+    # the judge sees each dialogue's turns in order, and results land on their own turns
+    judge = ScriptedJudge()
+    result = judge_agreement(turns, {t.dialogue: None for t in turns}, judge, n_boot=50, batch_size=2,
+                             progress=False)
+    assert [r.dialogue_id for r in judge.requests] == ["f:A@0", "f:B@0", "f:A@1", "f:B@1", "f:A@2", "g:B@0"]
+    assert [row["judge"] for row in result["turns"]] == [2, -1, 4, -2, 10, -2]
 
 
 @pytest.mark.skipif(not SAGE.is_dir(), reason="reference data not found")
