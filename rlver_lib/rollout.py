@@ -192,7 +192,7 @@ class Trajectory:
         ``transcript`` entries: ``{"role": "user", "content"}`` for the opening;
         policy turns ``{"role": "assistant", "content", "thought", "format_ok",
         "format_problem", "raw"}``; user turns ``{"role": "user", "content",
-        "change", "raw_change", "emotion_before", "emotion", "label",
+        "change", "raw_change", "emotion_before", "emotion", "label" (the mood letter),
         "appraisal", "goodbye", "attempts", "raw_outputs", "failures", "error"}``.
         ``policy_turns`` counts the assistant entries.
         """
@@ -292,7 +292,7 @@ def _record_user_turn(dialogue: _Dialogue, result: SimulatorTurn) -> None:
             "raw_change": result.raw_change,
             "emotion_before": result.emotion_before,
             "emotion": result.emotion,
-            "label": result.label,
+            "label": result.mood,  # the mood letter; the key old run folders have
             "appraisal": result.appraisal,
             "goodbye": result.goodbye,
             "attempts": result.attempts,

@@ -1,11 +1,11 @@
 """The affective simulated user (the RLVER paper's SAGE-style "sentient agent"; docs/ARCHITECTURE.md "simulator").
 
-The user holds an emotion score ``e`` in [0, 100] and a mood label
-(:func:`label_for`). After each policy reply it makes two structured calls:
+The user holds an emotion score ``e`` in [0, 100] and a mood letter
+(:func:`mood_for`). After each policy reply it makes two structured calls:
 
 1. *appraise* — in character: what the reply meant, how it fits the hidden
    intention, the inner reaction, and an integer ``change`` in [-10, 10];
-2. *reply* — the next user message, given the appraisal and the current label
+2. *reply* — the next user message, given the appraisal and the current mood
    (S: thank and say goodbye; F: say goodbye), with an ``end_conversation`` flag.
 
 Between the two, the update rule runs in code, not in the model
@@ -47,7 +47,7 @@ from .backends import (
 )
 from .config import SimulatorConfig
 
-Label = Literal["S", "A", "B", "C", "F"]
+Mood = Literal["S", "A", "B", "C", "F"]
 Difficulty = Literal["easy", "moderate", "hard"]
 
 MIN_CHANGE, MAX_CHANGE = -10, 10
@@ -110,8 +110,8 @@ class SimulatorError(UnusableOutput):
 # update rule
 
 
-def label_for(e: float) -> Label:
-    """Mood label of emotion score ``e`` (the SAGE / RLVER emotion labels).
+def mood_for(e: float) -> Mood:
+    """Mood letter of emotion score ``e`` (the SAGE / RLVER emotion labels).
 
     S: e >= 100, A: e >= 70, B: e >= 40, C: e >= 10, F: e < 10.
     """
@@ -179,7 +179,7 @@ class SimulatorTurn:
     raw_change: int | None
     emotion_before: int
     emotion: int
-    label: Label
+    mood: Mood
     appraisal: dict[str, Any]
     reply: str | None
     goodbye: bool
@@ -261,13 +261,13 @@ def appraise_messages(request: SimulatorRequest, difficulty: Difficulty) -> Conv
     of the transcript is a prefix of the next turn's and of this turn's reply call.
     """
     language = scenario_language(request.scenario)
-    label = label_for(request.emotion)
+    mood = mood_for(request.emotion)
     user = _fill(
         f"sim_appraise_{language}.txt",
         transcript=render_transcript(request.history, language),
         emotion=request.emotion,
-        label=label,
-        label_meaning=_vocab(language)["labels"][label]["meaning"],
+        mood=mood,
+        mood_meaning=_vocab(language)["moods"][mood]["meaning"],
         guidance=prompt_text(f"sim_difficulty_{difficulty}_{language}.txt").strip(),
     )
     return [
@@ -280,16 +280,16 @@ def reply_messages(request: SimulatorRequest, appraisal: dict[str, Any], emotion
     """Chat messages of the reply step, given the appraisal and the updated emotion
     (same layout as :func:`appraise_messages`)."""
     language = scenario_language(request.scenario)
-    label = label_for(emotion)
+    mood = mood_for(emotion)
     vocab = _vocab(language)
     user = _fill(
         f"sim_reply_{language}.txt",
         transcript=render_transcript(request.history, language),
         **{name: appraisal[name] for name in APPRAISAL_FIELDS},
         emotion=emotion,
-        label=label,
-        label_meaning=vocab["labels"][label]["meaning"],
-        label_instruction=vocab["labels"][label]["instruction"],
+        mood=mood,
+        mood_meaning=vocab["moods"][mood]["meaning"],
+        mood_instruction=vocab["moods"][mood]["instruction"],
         personality_rule=vocab["personality_rules"].get(
             getattr(request.scenario, "personality", ""), vocab["personality_rule_default"]),
     )
@@ -504,7 +504,7 @@ class UserSimulator:
             raw_change=appraisal["change"] if appraisal else None,
             emotion_before=request.emotion,
             emotion=emotion,
-            label=label_for(emotion),
+            mood=mood_for(emotion),
             appraisal=private,
             reply=reply["message"] if reply else None,
             goodbye=bool(reply and reply["end_conversation"]),
@@ -537,7 +537,7 @@ class RuleSimulator:
     ``change_fn(policy_reply) -> int`` gives the raw change (clamped by the update
     rule). ``reply_fn(request, emotion) -> (message, goodbye)`` optionally scripts
     the user's message and goodbye flag; by default the message depends on the
-    label and the user never says goodbye (success/failure still end a dialogue).
+    mood and the user never says goodbye (success/failure still end a dialogue).
     """
 
     def __init__(
@@ -558,16 +558,16 @@ class RuleSimulator:
         for request in requests:
             raw = self.change_fn(request.history[-1]["content"])
             change, emotion = apply_change(request.emotion, raw)
-            label = label_for(emotion)
+            mood = mood_for(emotion)
             if self.reply_fn is not None:
                 message, goodbye = self.reply_fn(request, emotion)
             else:
                 replies = RULE_REPLIES[scenario_language(request.scenario)]
-                message, goodbye = replies.get(label, replies["other"]), False
+                message, goodbye = replies.get(mood, replies["other"]), False
             turns.append(
                 SimulatorTurn(
                     dialogue_id=request.dialogue_id, change=change, raw_change=raw,
-                    emotion_before=request.emotion, emotion=emotion, label=label,
+                    emotion_before=request.emotion, emotion=emotion, mood=mood,
                     appraisal={"rule": getattr(self.change_fn, "__name__", "change_fn")},
                     reply=message, goodbye=goodbye,
                 )

@@ -20,7 +20,7 @@ from rlver_lib.simulator import (
     UserSimulator,
     apply_change,
     default_change_fn,
-    label_for,
+    mood_for,
     parse_appraisal,
     parse_reply,
 )
@@ -81,10 +81,10 @@ class FailingBackend:
 
 # --------------------------------------------------------------------------- update rule
 
-@pytest.mark.parametrize("e, label", [(100, "S"), (99, "A"), (70, "A"), (69, "B"), (40, "B"),
+@pytest.mark.parametrize("e, mood", [(100, "S"), (99, "A"), (70, "A"), (69, "B"), (40, "B"),
                                       (39, "C"), (10, "C"), (9, "F"), (0, "F")])
-def test_label_thresholds(e, label):
-    assert label_for(e) == label
+def test_mood_thresholds(e, mood):
+    assert mood_for(e) == mood
 
 
 @pytest.mark.parametrize("e, change, expected", [
@@ -158,7 +158,7 @@ def test_step_applies_update_rule_and_records_everything():
     sim = UserSimulator(backend, SimulatorConfig(), seed=3)
     [turn] = sim.step([request(emotion=95)])
     # 95 + 8 = 103 -> ceiling 100
-    assert (turn.raw_change, turn.change, turn.emotion_before, turn.emotion, turn.label) == (8, 8, 95, 100, "S")
+    assert (turn.raw_change, turn.change, turn.emotion_before, turn.emotion, turn.mood) == (8, 8, 95, 100, "S")
     assert turn.reply == "You get it. Thanks, bye!" and turn.goodbye is True
     assert turn.appraisal["intention_fit"] == "PRIVATE-FIT" and turn.appraisal["reply_reasoning"] == "PRIVATE-REASONING"
     assert turn.attempts == 2 and len(turn.raw_outputs) == 2 and turn.error is None
@@ -276,7 +276,7 @@ def test_rule_simulator_clamps_and_scripts_replies():
                         reply_fn=lambda req, e: (f"now {e}", e >= 60))
     up, down = sim.step([request("a", emotion=55, reply="Great!"), request("b", emotion=15, reply="No.")])
     assert (up.raw_change, up.change, up.emotion, up.reply, up.goodbye) == (40, 10, 65, "now 65", True)
-    assert (down.raw_change, down.change, down.emotion, down.label, down.goodbye) == (-40, -10, 5, "F", False)
+    assert (down.raw_change, down.change, down.emotion, down.mood, down.goodbye) == (-40, -10, 5, "F", False)
     assert RuleSimulator().opening_lines([scenario(opening_line=None, language="zh")])[0].startswith("你好")
 
 
