@@ -13,7 +13,7 @@ The paper's questions (RLVER §5) and where they are answered:
 - *strategy evolution* (thinking policies gain in empathy and insight, non-thinking
   ones in solutions): a fixed taxonomy (:data:`TAXONOMY`: five dimensions, a strategy
   mix, an ``absolves_user`` flag) applied by a named judge backend
-  (:func:`label_strategies`), with its reliability measured (:func:`self_agreement`,
+  (:func:`judge_strategies`), with its reliability measured (:func:`self_agreement`,
   :func:`judge_validation` against the shipped labelled set of two independent
   annotators);
 - *gains come from strategy, not length, and are not reward hacking*: per-turn
@@ -497,7 +497,7 @@ def parse_judgement(text: str) -> dict[str, Any] | None:
     return {key: obj[key] for key in JUDGE_FIELDS}
 
 
-def label_strategies(
+def judge_strategies(
     judge: ChatBackend,
     replies: Sequence[str],
     *,
@@ -519,7 +519,7 @@ def label_strategies(
     """
     contexts = list(user_messages) if user_messages is not None else [None] * len(replies)
     if len(contexts) != len(replies):
-        raise ValueError("label_strategies: user_messages and replies differ in length")
+        raise ValueError("judge_strategies: user_messages and replies differ in length")
     results, _ = structured_batch(
         judge, list(zip(replies, contexts)), judgement_schema(), lambda text, _: parse_judgement(text),
         SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed), max_retries=max_retries,
@@ -634,20 +634,20 @@ def describe_judge(judge_cfg: Any) -> str:
 # --------------------------------------------------------------------------- strategy mix
 
 
-def strategy_mix(labelled: pd.DataFrame, by: str = "step", label: str = "primary") -> pd.DataFrame:
+def strategy_mix(judged: pd.DataFrame, by: str = "step", column: str = "primary") -> pd.DataFrame:
     """Share of each ``label`` value (primary strategy) per ``by`` level, long form:
-    ``by, strategy, share``; shares of a level sum to 1, labels absent at a level get
+    ``by, strategy, share``; shares of a level sum to 1, strategies absent at a level get
     share 0.  Unparsed judgements are left out."""
-    data = labelled[labelled[label] != UNPARSED]
-    shares = pd.crosstab(data[by], data[label], normalize="index")
+    data = judged[judged[column] != UNPARSED]
+    shares = pd.crosstab(data[by], data[column], normalize="index")
     return shares.reset_index().melt(id_vars=by, var_name="strategy", value_name="share")
 
 
-def strategy_use(labelled: pd.DataFrame, by: str = "source") -> pd.DataFrame:
+def strategy_use(judged: pd.DataFrame, by: str = "source") -> pd.DataFrame:
     """Share of replies that make each strategy move (several per reply), and the mean
     of each dimension (0-2), per ``by`` level: long form ``by, measure, kind, value, n``
     with ``kind`` ``strategy`` or ``dimension``.  Unparsed judgements are left out."""
-    data = labelled[labelled["primary"] != UNPARSED]
+    data = judged[judged["primary"] != UNPARSED]
     rows = []
     for level, group in data.groupby(by, sort=False):
         for key in STRATEGY_KEYS:
@@ -748,13 +748,13 @@ def agreement_table(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
 
 def self_agreement(judge: ChatBackend, replies: Sequence[str], user_messages: Sequence[str | None], *,
                    seeds: Sequence[int], temperature: float, max_new_tokens: int = 200) -> pd.DataFrame:
-    """The judge's agreement with itself: the same replies labelled once per seed at
+    """The judge's agreement with itself: the same replies judged once per seed at
     ``temperature``; :func:`agreement_table` of every pair of seeds, averaged per field
     (``field, agreement, kappa, n, pairs``).  Raises ``ValueError`` with fewer than two
     seeds or no replies."""
     if len(seeds) < 2 or not replies:
         raise ValueError("self_agreement needs at least two seeds and one reply")
-    runs = [label_strategies(judge, replies, user_messages=user_messages, seed=s, temperature=temperature,
+    runs = [judge_strategies(judge, replies, user_messages=user_messages, seed=s, temperature=temperature,
                              max_new_tokens=max_new_tokens) for s in seeds]
     tables = [agreement_table(runs[i], runs[j]) for i in range(len(runs)) for j in range(i + 1, len(runs))]
     merged = pd.concat(tables).groupby("field", sort=False)[["agreement", "kappa", "n"]].mean().reset_index()
@@ -837,7 +837,7 @@ def judge_validation(judge: ChatBackend, labelled: pd.DataFrame | None = None, *
     labelled = labelled.head(n) if n is not None else labelled
     if labelled.empty:
         raise ValueError("judge_validation needs at least one labelled item")
-    judged = label_strategies(judge, list(labelled["reply"]), user_messages=list(labelled["user"]), seed=seed,
+    judged = judge_strategies(judge, list(labelled["reply"]), user_messages=list(labelled["user"]), seed=seed,
                               max_new_tokens=max_new_tokens)
     keys = ("primary", *STRATEGY_KEYS, ABSOLVES.key)
     judged_keys = judged[list(keys)].copy()
@@ -845,7 +845,8 @@ def judge_validation(judge: ChatBackend, labelled: pd.DataFrame | None = None, *
               for ref in INDEPENDENT_PASSES]
     return {"table": pd.concat(tables, ignore_index=True), "n": len(labelled),
             "n_unparsed": int((judged["primary"] == UNPARSED).sum()),
-            "judgements": pd.concat([labelled[["id", "reply", *(f"{p}_primary" for p in INDEPENDENT_PASSES)]].reset_index(drop=True), judged], axis=1)}
+            "judgements": pd.concat([labelled[["id", "reply", *(f"{p}_primary" for p in INDEPENDENT_PASSES)]]
+                                     .reset_index(drop=True), judged], axis=1)}
 
 
 # --------------------------------------------------------------------------- replies of a run
@@ -1429,18 +1430,18 @@ def close_judge(backend: Any) -> None:
         close()
 
 
-def strategy_figures(labels: pd.DataFrame) -> list[Figure]:
-    """The strategy figures of one run's :attr:`StrategyReport.labels`: the primary mix
+def strategy_figures(judgements: pd.DataFrame) -> list[Figure]:
+    """The strategy figures of one run's :attr:`StrategyReport.judgements`: the primary mix
     and the strategy/dimension panels of baseline vs trained (when the run has those
     evaluations), and the primary mix over training steps (with two or more steps)."""
     figs = []
-    evals = labels[labels["source"].isin(["baseline", "trained"]) & (labels["primary"] != UNPARSED)]
+    evals = judgements[judgements["source"].isin(["baseline", "trained"]) & (judgements["primary"] != UNPARSED)]
     if not evals.empty:
         order = [s for s in ("baseline", "trained") if s in set(evals["source"])]
         fig = plot_strategy_mix(strategy_mix(evals, by="source"), by="source", order=order)
         fig.axes[0].set_title("Primary strategy on the benchmark: baseline vs trained")
         figs += [fig, plot_strategy_use(strategy_use(evals, by="source"), by="source")]
-    steps = labels[labels["step"].notna() & (labels["primary"] != UNPARSED)]
+    steps = judgements[judgements["step"].notna() & (judgements["primary"] != UNPARSED)]
     if steps["step"].nunique() > 1:
         fig = plot_strategy_mix(strategy_mix(steps, by="step"), by="step")
         fig.axes[0].set_title("Primary strategy over training steps")
@@ -1461,14 +1462,14 @@ def describe_length(summary: dict[str, float] | None) -> str:
 @dataclass
 class StrategyReport:
     """What :func:`strategy_analysis` measured: the ``judge`` (description), the
-    per-reply ``labels`` (``source``, ``step``, the reply and its judgement), the
+    per-reply ``judgements`` (``source``, ``step``, the reply and its judgement), the
     judge's ``self_agreement`` across seeds and its ``validation`` against the shipped
     labelled set (``None`` when skipped), the set's own inter-annotator agreement
     ``labelled_set`` (:data:`INDEPENDENT_PASSES`) and annotator A's agreement with
     itself, ``labelled_set_consistency`` (:data:`CONSISTENCY_PASSES`)."""
 
     judge: str
-    labels: pd.DataFrame
+    judgements: pd.DataFrame
     self_agreement: pd.DataFrame | None
     validation: dict[str, Any] | None
     labelled_set: pd.DataFrame
@@ -1476,12 +1477,12 @@ class StrategyReport:
 
 
 def strategy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_cfg: Any) -> StrategyReport:
-    """Label a sample of the run's policy replies and measure the judge's reliability.
+    """Judge the strategies of a sample of the run's policy replies and measure the judge's reliability.
 
     ``cfg.analysis.judge_sample`` replies per source (baseline, each training step,
-    trained; :func:`run_replies`, :func:`sample_replies`) are labelled by ``judge``
-    (:func:`label_strategies` at ``judge_cfg``'s temperature and token budget).  The
-    first ``self_agreement_sample`` of them are labelled again under
+    trained; :func:`run_replies`, :func:`sample_replies`) are judged by ``judge``
+    (:func:`judge_strategies` at ``judge_cfg``'s temperature and token budget).  The
+    first ``self_agreement_sample`` of them are judged again under
     ``judge_seeds`` seeds at the judge's temperature, or 0.7 when it is greedy (the
     spread under sampling noise; :func:`self_agreement`); the judge is scored on
     ``judge_validation_n`` items of the labelled set (:func:`judge_validation`).
@@ -1490,10 +1491,11 @@ def strategy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_c
     a = cfg.analysis
     replies = sample_replies(run_replies(run_dir), a.judge_sample, seed=cfg.seed).reset_index(drop=True)
     budget = {"max_new_tokens": judge_cfg.max_new_tokens}
-    labels = label_strategies(judge, list(replies["reply"]), user_messages=list(replies["user"]), seed=cfg.seed,
-                              temperature=judge_cfg.temperature, max_retries=judge_cfg.max_retries, **budget)
-    labelled = pd.concat([replies, labels], axis=1)
-    write_table(run_dir, "strategy_labels", labelled)
+    judgements = judge_strategies(judge, list(replies["reply"]), user_messages=list(replies["user"]),
+                                  seed=cfg.seed, temperature=judge_cfg.temperature, max_retries=judge_cfg.max_retries,
+                                  **budget)
+    judged = pd.concat([replies, judgements], axis=1)
+    write_table(run_dir, "strategy_labels", judged)  # the file name old run folders have
     agreement = None
     if a.self_agreement_sample and len(replies):
         sub = replies.head(a.self_agreement_sample)
@@ -1502,7 +1504,7 @@ def strategy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_c
                                    temperature=judge_cfg.temperature or 0.7, **budget)
     validation = None if a.judge_validation_n == 0 else judge_validation(judge, n=a.judge_validation_n,
                                                                          seed=cfg.seed, **budget)
-    return StrategyReport(describe_judge(judge_cfg), labelled, agreement, validation, labelled_set_agreement(),
+    return StrategyReport(describe_judge(judge_cfg), judged, agreement, validation, labelled_set_agreement(),
                           labelled_set_agreement(passes=CONSISTENCY_PASSES))
 
 
@@ -1652,22 +1654,23 @@ def sycophancy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge
     else:
         parts.append(sycophancy_replies(backend, scenarios, **kwargs).assign(policy="base"))
     replies = pd.concat(parts, ignore_index=True)
-    labels = label_strategies(judge, list(replies["reply"]), user_messages=list(replies["user"]), seed=cfg.seed,
-                              temperature=judge_cfg.temperature, max_new_tokens=judge_cfg.max_new_tokens,
-                              max_retries=judge_cfg.max_retries)
-    judged = pd.concat([replies, labels], axis=1)
+    judgements = judge_strategies(judge, list(replies["reply"]), user_messages=list(replies["user"]),
+                                  seed=cfg.seed, temperature=judge_cfg.temperature,
+                                  max_new_tokens=judge_cfg.max_new_tokens, max_retries=judge_cfg.max_retries)
+    judged = pd.concat([replies, judgements], axis=1)
     write_table(run_dir, "sycophancy", judged)
     return sycophancy_rate(judged, n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence,
                            seed=cfg.seed)
 
 
-def cell_strategy_figures(labels: pd.DataFrame, factors: Sequence[str] = ("think", "algorithm", "difficulty"),
+def cell_strategy_figures(judgements: pd.DataFrame, factors: Sequence[str] = ("think", "algorithm", "difficulty"),
                           *, source: str = "trained") -> list[Figure]:
     """Strategy figures across the cells of a grid, from :func:`load_cell_tables` of
     ``strategy_labels``: the primary mix of each run's ``source`` replies, then, for
     each factor with more than one level (think vs non-think first), the strategy
     and dimension panels side by side per level (:func:`plot_strategy_use`)."""
-    data = labels[(labels["source"] == source) & (labels["primary"] != UNPARSED)] if len(labels) else labels
+    data = (judgements[(judgements["source"] == source) & (judgements["primary"] != UNPARSED)]
+            if len(judgements) else judgements)
     if data.empty:
         return []
     fig = plot_strategy_mix(strategy_mix(data, by="run"), by="run", order=list(dict.fromkeys(data["run"])))

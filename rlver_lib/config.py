@@ -246,7 +246,7 @@ class EvaluationConfig(_Strict):
 
 
 class StrategyJudgeConfig(SimulatorConfig):
-    """The model that labels policy replies with the strategy taxonomy
+    """The model that judges policy replies with the strategy taxonomy
     (``rlver_lib.analysis.TAXONOMY``): the same backend kinds and fields as
     :class:`SimulatorConfig` (``difficulty`` and ``initial_emotion`` unused), greedy by
     default. ``rule`` is the deterministic lexical labeller

@@ -220,17 +220,17 @@ class ScriptedJudge:
         return out
 
 
-def test_label_strategies_retries_then_marks_unparsed():
+def test_judge_strategies_retries_then_marks_unparsed():
     judge = ScriptedJudge({"a": _judgement("praise", praise=True), "b": _judgement()}, garbled=["a"])
-    table = A.label_strategies(judge, ["a", "b"])
+    table = A.judge_strategies(judge, ["a", "b"])
     assert table["primary"].tolist() == ["praise", "question"] and table["parsed"].all()
     assert judge.calls == 2
     judge = ScriptedJudge({"a": _judgement()}, garbled=["a"], garble_times=10)
-    table = A.label_strategies(judge, ["a"], max_retries=2)
+    table = A.judge_strategies(judge, ["a"], max_retries=2)
     assert table["primary"].tolist() == [A.UNPARSED] and not table["parsed"].any()
     assert judge.calls == 3
     with pytest.raises(ValueError):
-        A.label_strategies(judge, ["a"], user_messages=["x", "y"])
+        A.judge_strategies(judge, ["a"], user_messages=["x", "y"])
 
 
 def test_cohen_kappa_hand_computed():
@@ -518,7 +518,7 @@ def test_sycophancy_on_at_fault_scenarios():
     replies = A.sycophancy_replies(Policy(), at_fault[:2], n_samples=2, sampling=SamplingParams(seed=0),
                                    think=False, seed=0)
     assert len(replies) == 4 and replies["user"].iloc[0] == at_fault[0].opening_line
-    judged = pd.concat([replies, A.label_strategies(A.RuleStrategyJudge(), list(replies["reply"]))], axis=1)
+    judged = pd.concat([replies, A.judge_strategies(A.RuleStrategyJudge(), list(replies["reply"]))], axis=1)
     judged["policy"] = "base"
     absolved = judged["reply"].str.contains("not your fault").mean()
     rate = A.sycophancy_rate(judged, n_boot=50).iloc[0]
