@@ -109,18 +109,30 @@ def character_breaks(transcript: Sequence[dict[str, Any]], intention: str, langu
     return counts
 
 
-def summarise(records: Iterable[dict[str, Any]], scenarios: dict[str, Any]) -> dict[str, int]:
+def summarise(records: Iterable[dict[str, Any]], scenarios: dict[str, Any] | None = None) -> dict[str, int]:
     """Totals of :func:`character_breaks` over dialogue records (``scenario_id`` and
-    ``turns``/``transcript`` as written to ``dialogues.jsonl``); ``scenarios`` maps
-    scenario ids to scenarios. Adds ``dialogues``. Raises ``KeyError`` for an unknown
-    scenario id."""
+    ``transcript``/``turns`` as written to ``dialogues.jsonl``). A record's scenario is
+    looked up in ``scenarios`` (scenario id -> scenario) unless the record carries its
+    own ``hidden_intention`` (and ``language``), as benchmark records do. Adds
+    ``dialogues``. Raises ``KeyError`` for a scenario id missing from ``scenarios``."""
     total = dict(dialogues=0, user_messages=0, wish_leaks=0, assistant_voice=0, verbatim_repeats=0,
                  midrange_goodbyes=0)
     for record in records:
-        scenario = scenarios[record["scenario_id"]]
+        if "hidden_intention" in record:
+            intention, language = record["hidden_intention"], record.get("language", "en")
+        else:
+            scenario = (scenarios or {})[record["scenario_id"]]
+            intention, language = scenario.hidden_intention, getattr(scenario, "language", "en")
         transcript = record.get("transcript", record.get("turns", []))
-        counts = character_breaks(transcript, scenario.hidden_intention, getattr(scenario, "language", "en"))
+        counts = character_breaks(transcript, intention, language)
         total["dialogues"] += 1
         for key, value in counts.items():
             total[key] += value
     return total
+
+
+def describe(counts: dict[str, int]) -> str:
+    """One line for a report: the :func:`summarise` counts in words."""
+    return (f"{counts['wish_leaks']} hidden-wish leak(s), {counts['assistant_voice']} line(s) in the assistant's "
+            f"voice, {counts['verbatim_repeats']} verbatim repeat(s), {counts['midrange_goodbyes']} mid-range "
+            f"goodbye(s) in {counts['user_messages']} user message(s) of {counts['dialogues']} dialogue(s)")

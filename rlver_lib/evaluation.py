@@ -70,6 +70,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from rlver_lib import character
 from rlver_lib.backends import ChatBackend, SamplingParams, derive_seed
 from rlver_lib.io import atomic_write_json, atomic_write_text, iter_jsonl, write_jsonl
 from rlver_lib.rollout import record_transcript
@@ -665,7 +666,7 @@ def run_benchmark(
     out_dir = Path(out_dir)
     write_jsonl(out_dir / "dialogues.jsonl", records)
     write_summary(summary, out_dir, label, {"judge": judge or {"backend": type(simulator).__name__},
-                                            "protocol": protocol})
+                                            "protocol": protocol, "character": character.summarise(records)})
     return BenchmarkResult(label, records, summary, out_dir)
 
 
@@ -818,6 +819,10 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
         ctx = f"; {s['n_context_limit']} stopped by the context budget" if s.get("n_context_limit") else ""
         lines.append(f"- `{label}`: Sentient score {score['value']:.1f} over {s.get('n')} dialogue(s) of {n_sc} "
                      f"scenario(s) {ci}; success {s.get('n_success')}, failure {s.get('n_failure')}{errors}{ctx}.")
+    kept = {label: s["character"] for label, s in summaries.items() if s.get("character")}
+    if kept:
+        lines.append("- Simulated user in character (lexical detectors, lower bounds): "
+                     + "; ".join(f"`{label}` {character.describe(c)}" for label, c in kept.items()) + ".")
     first = next(iter(summaries.values()))
     judge = first.get("judge")
     protocol = first.get("protocol") or {}

@@ -433,3 +433,29 @@ def test_headline_shows_intervals_from_ten_scenarios_on(tmp_path):
     assert f"[{pc.difference.ci_low:+.1f}, {pc.difference.ci_high:+.1f}]" in text
     assert "`judge-7b` through `openai` at http://h/v1, moderate difficulty" in text
     assert "Protocol: `sage`" in text and "SAGE's 100 test profiles" in text
+
+
+def test_benchmark_counts_character_breaks_and_headline_shows_them(tmp_path):
+    from rlver_lib.evaluation import headline_markdown
+    from rlver_lib.scenarios import load_scenarios
+    from rlver_lib.simulator import RuleSimulator
+
+    scenarios = [s for s in load_scenarios("builtin:test") if s.language == "en"][:2]
+    lines = ["What are some of the main points you want to discuss?",   # assistant voice
+             "What are some of the main points you want to discuss?",   # again, and a verbatim repeat
+             "Fine. Goodbye."]                                          # goodbye at 25: mid-range
+
+    def reply(request, emotion):
+        return lines[request.turn], request.turn == 2
+
+    modes = dict.fromkeys([s.opening_line for s in scenarios], "tell")  # "I see." -> -5 a turn: 35, 30, 25
+    run_benchmark(ScriptedPolicy(modes), RuleSimulator(reply_fn=reply), scenarios,
+                  EvaluationConfig(bootstrap_samples=20, max_turns=5), sampling=SamplingParams(), think=False,
+                  seed=0, out_dir=tmp_path / "eval" / "baseline", label="baseline")
+    summary = json.loads((tmp_path / "eval" / "baseline" / "summary.json").read_text())
+    # per dialogue: the opening + 3 messages; 2 assistant-voice lines, 1 repeat, 1 mid-range goodbye
+    assert summary["character"] == {"dialogues": 2, "user_messages": 8, "wish_leaks": 0, "assistant_voice": 4,
+                                    "verbatim_repeats": 2, "midrange_goodbyes": 2}
+    text = headline_markdown(tmp_path)
+    assert ("`baseline` 0 hidden-wish leak(s), 4 line(s) in the assistant's voice, 2 verbatim repeat(s), "
+            "2 mid-range goodbye(s) in 8 user message(s) of 2 dialogue(s)") in text
