@@ -1,23 +1,14 @@
 """Judge agreement: how closely does a simulated user's appraisal follow SAGE's judge?
 
-SAGE's stored benchmark transcripts (``*_result.jsonl``: 100 dialogues each, judged by
-a DeepSeek-V3-based simulated user) record, for every appraised policy reply, the
-emotion before it and the judge's integer change (``planning.change``, in [-10, 10]).
-:func:`judge_agreement` replays those replies one by one through our benchmark
-judge's appraisal (``evaluation.judge``): each appraisal gets the same profile, the
-visible history up to and including that reply, and the recorded emotion before it,
-exactly as SAGE's judge saw them.  It then compares our change with the recorded one:
-
-- Spearman's rho and Pearson's r (``scipy.stats``) over turns;
-- sign agreement: share of turns whose changes have the same sign (0 its own sign);
-- mean absolute error, in emotion points;
-- a confusion table of bucketed changes (:data:`BUCKETS`);
-- percentile bootstrap intervals that resample **dialogues** (turns of one dialogue
-  are not independent; :func:`rlver_lib.stats.cluster_bootstrap`).
-
-Two references come with it: the rule simulator (a floor: a fixed function of the
-reply text, ``simulator.default_change_fn``) on the same turns, and a shuffled-pairs
-control (our changes permuted across turns: what chance agreement looks like).
+SAGE's stored benchmark transcripts (``*_result.jsonl``, judged by a DeepSeek-V3-based
+simulated user) record, for every appraised policy reply, the emotion before it and the
+judge's integer change. :func:`judge_agreement` replays those replies one by one
+through our benchmark judge's appraisal (``evaluation.judge``), each with the same
+profile, visible history and recorded emotion SAGE's judge saw, and compares the
+changes: Spearman's rho, Pearson's r, sign agreement, mean absolute error, a confusion
+table of bucketed changes (:data:`BUCKETS`), with bootstrap intervals that resample
+dialogues (:func:`rlver_lib.stats.cluster_bootstrap`). References: the rule simulator
+on the same turns (a floor) and shuffled pairs (chance).
 
 Nothing like this exists in SAGE or RLVER; docs/ARCHITECTURE.md ("evaluation").
 """

@@ -1,30 +1,18 @@
 """Analysis of runs: tidy tables, plots, strategy analysis and reward-hacking diagnostics.
 
-Used by notebooks 05 and 06 and the reports.  Every plot function takes a tidy
-DataFrame and returns a :class:`matplotlib.figure.Figure` (built without pyplot, so
-nothing global is left open); :func:`save_figure` writes it atomically as PNG.
+Used by notebooks 05 and 06 and the reports. Every plot function takes a tidy DataFrame
+and returns a :class:`matplotlib.figure.Figure` built without pyplot;
+:func:`save_figure` writes it atomically as PNG. Units: emotion in points [0, 100],
+per-turn change in [-10, 10], reward e_final / 100, rates in [0, 1], reply length in
+characters.
 
-Units: emotion in points [0, 100]; per-turn emotion change in points [-10, 10];
-reward r = e_final / 100 in [0, 1]; rates are shares in [0, 1]; reply length in
-characters (language-neutral for English and Chinese).
-
-The paper's questions (RLVER §5) and where they are answered:
-
-- *strategy evolution* (thinking policies gain in empathy and insight, non-thinking
-  ones in solutions): a fixed taxonomy (:data:`TAXONOMY`: five dimensions, a strategy
-  mix, an ``absolves_user`` flag) applied by a named judge backend
-  (:func:`judge_strategies`), with its reliability measured (:func:`self_agreement`,
-  :func:`judge_validation` against the shipped labelled set of two independent
-  annotators);
-- *gains come from strategy, not length, and are not reward hacking*: per-turn
-  features of the reply against the emotion change it caused, clustered by dialogue
-  with the training step partialled out (:func:`hacking_statistics`), a
-  length-controlled comparison (:func:`length_controlled_gain`), template collapse
-  (:func:`distinct_n`), injection probes against the configured judge
-  (:func:`run_injection_probes`) and sycophancy on at-fault users
-  (:func:`sycophancy_rate`);
-- ablations: cells side by side on the same scenarios under one judge
-  (:func:`paired_cell_differences`, :func:`cells_table`).
+The paper's questions (RLVER §5): strategy evolution (:data:`TAXONOMY` applied by a
+judge, :func:`judge_strategies`, its reliability from :func:`self_agreement` and
+:func:`judge_validation`); gains from strategy, not length, and not reward hacking
+(:func:`hacking_statistics`, :func:`length_controlled_gain`, :func:`distinct_n`,
+:func:`run_injection_probes`, :func:`sycophancy_rate`); ablations side by side under
+one judge (:func:`paired_cell_differences`, :func:`cells_table`). See
+docs/ARCHITECTURE.md ("analysis").
 """
 
 from __future__ import annotations

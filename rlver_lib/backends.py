@@ -1,22 +1,17 @@
 """Chat backends: one small protocol for every model the workbench talks to (docs/ARCHITECTURE.md "backends").
 
-A backend takes a batch of chat conversations (each a list of
-``{"role": ..., "content": ...}`` messages) and returns one :class:`Generation`
-per conversation, in order.  Sampling settings and the seed come in a
-:class:`SamplingParams`; ``json_schema`` optionally constrains the output to a JSON
-object of that schema (structured output).
+A backend takes a batch of chat conversations (each a list of ``{"role": ..., "content": ...}``
+messages) and returns one :class:`Generation` per conversation, in order. Sampling
+settings and the seed come in a :class:`SamplingParams`; ``json_schema`` optionally
+constrains the output to a JSON object of that schema, and :func:`structured_batch`
+asks again for the outputs that cannot be used.
 
-Implementations:
-
-- :class:`TransformersBackend` — local HF model (plain or ``peft.PeftModel``),
-  batched left-padded ``generate``, token ids and log-probs for training,
-  structured output through an xgrammar logits processor;
-- :class:`LlamaServerBackend` — a GGUF model served by llama.cpp's ``llama-server``
-  in its own process (started and stopped here; CPU; crash-isolated, batched);
-- :class:`OpenAIBackend` — any OpenAI-compatible ``/v1/chat/completions`` server
-  (vLLM ``serve``, llama.cpp server, SGLang, hosted APIs) with timeouts, bounded
-  retries and concurrent requests;
-- ``VLLMBackend`` in :mod:`rlver_lib.vllm_backend` (GPU, imported lazily).
+Implementations: :class:`TransformersBackend` (a local HF or peft model; token ids and
+log-probs for training; xgrammar for structured output), :class:`LlamaServerBackend`
+(a GGUF model in its own ``llama-server`` process: crash-isolated, batched),
+:class:`OpenAIBackend` (any OpenAI-compatible server, with timeouts, bounded retries
+and concurrent requests) and ``VLLMBackend`` in :mod:`rlver_lib.vllm_backend` (GPU,
+imported lazily).
 """
 
 from __future__ import annotations

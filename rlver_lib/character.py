@@ -1,16 +1,11 @@
 """Does the simulated user stay in character? Counts of four breaks, per dialogue.
 
 The simulated user (paper §3.1: a persona with a hidden intention it never states)
-breaks character when it
-
-- **leaks** its hidden wish: a sentence that states a wish (``I want``, ``I need``,
-  ``I just wish`` ... / ``我想``, ``我希望`` ...) and names the wish's key idea
-  (:data:`WISH_CUES`, per hidden intention);
-- speaks in the **assistant's voice** (``How can I help``, ``What are some of the
-  main points you want to discuss?``, ``Feel free to`` ... :data:`ASSISTANT_VOICE`);
-- **repeats** one of its earlier messages verbatim (case and spacing ignored);
-- **leaves mid-range**: says goodbye while its emotion is neither at success (100) nor
-  at failure (< 10), which only some personas would do: counted, not judged.
+breaks character when it **leaks** its hidden wish (a wish sentence naming the wish's
+key idea, :data:`WISH_CUES`), speaks in the **assistant's voice**
+(:data:`ASSISTANT_VOICE`), **repeats** an earlier message verbatim, or **leaves
+mid-range** (says goodbye with its emotion neither at success nor at failure: counted,
+not judged).
 
 These are lexical detectors: they catch explicit breaks, not paraphrases, so their
 counts are lower bounds. :func:`character_breaks` counts them in one transcript;

@@ -1,58 +1,17 @@
 """The Sentient benchmark, SAGE transcript scoring and capability retention
-(the RLVER paper's evaluation; docs/ARCHITECTURE.md "evaluation").
+(the RLVER paper's evaluation, §4.1; docs/ARCHITECTURE.md "evaluation").
 
-Benchmark (the paper's "Sentient benchmark", RLVER §4.1 / SAGE): held-out scenarios,
-the simulated user starts at emotion 40, at most 10 policy turns.  The simulated
-user that scores it is the **judge** (``evaluation.judge``), a configuration of its
-own: never the training simulator with whatever difficulty trained the policy, so
-every cell of a comparison is scored by the same judge (docs/ARCHITECTURE.md).
+Held-out scenarios are played against the **judge** (``evaluation.judge``): a simulated
+user configured on its own, never the training simulator, so that every cell of a
+comparison is scored by the same judge. Protocols ``full`` (every reply appraised) and
+``sage`` (SAGE's stored runs: the 10th reply unappraised). Figures, over the dialogues
+that did not end in a judge error: Sentient score (mean final emotion, points
+[0, 100]), success and failure rates (final >= 100, < 10) and mean turns, with
+percentile bootstrap intervals that resample scenarios. Baseline against trained
+(:func:`paired_comparison`) pairs the same scenarios, repeats and seeds.
 
-Protocols (``evaluation.protocol``):
-
-- ``full`` (default): every policy reply is appraised, the last one too;
-- ``sage``: SAGE's stored runs — 10 policy replies of which only the first 9 are
-  appraised (the stored dialogues that reach the cap have 10 assistant turns and 9
-  emotion updates), start 40.  With SAGE's 100 test profiles this is comparable
-  with the SAGE leaderboard.
-
-Figures, over the dialogues that did not end in a judge error:
-
-- **Sentient score** = mean final emotion, in emotion points [0, 100];
-- **success rate** = share of dialogues whose final emotion is >= 100, in [0, 1];
-- **failure rate** = share whose final emotion is < 10, in [0, 1];
-- **mean turns** = mean number of policy turns, in [0, max_turns].
-
-Intervals are percentile bootstrap intervals that resample **scenarios**
-(:func:`rlver_lib.stats.cluster_bootstrap_ci`): with ``evaluation.repeats`` > 1 the
-repeats of one scenario move together.  Errors: dialogues that ended in a judge
-error (termination ``error``) carry no verified final emotion; they are left out of
-the figures, and the summary gives the error rate and two bounds on their effect:
-the score with them counted at their last emotion and counted as 0.  Dialogues
-stopped by the policy's context budget end with termination ``context_limit`` and
-are counted separately.
-
-Emotion trajectories: turn 0 is the initial emotion, turn k the emotion after the
-k-th policy reply was appraised.  A dialogue that ended before turn k contributes
-its final emotion to ``mean_emotion`` at turn k (carried forward), so the last turn
-of ``mean_emotion`` equals the Sentient score; ``mean_emotion_alive`` averages only
-the dialogues still running at turn k, and ``n_alive`` counts them.
-
-Baseline against trained (:func:`paired_comparison`): the same scenarios, repeats
-and seeds; per scenario the mean of trained minus baseline, a bootstrap interval of
-the mean difference over scenarios and a sign-flip permutation test, written to
-``<run>/eval/paired.json``.
-
-Record formats read here (detected per record):
-
-- our dialogue records (``Trajectory.to_record()`` plus the scenario's
-  ``hidden_intention``, ``personality`` and ``language``, and ``repeat``, added by
-  :func:`run_benchmark`): ``final_emotion``, ``initial_emotion`` and the transcript
-  ``turns`` (``assistant`` entries are policy turns; each ``user`` entry after one
-  carries ``change`` and the ``emotion`` after that appraisal);
-- SAGE result records (``../shared/data/README.md``): ``emo_point`` (final
-  emotion), ``history`` of ``user`` messages with ``emotion-point`` and
-  ``assistant`` messages, ``task`` (hidden intention) and ``character``
-  (personality type, Chinese) — mapped to our intention and personality keys.
+Reads our dialogue records and SAGE result records (detected per record); the record
+formats, error bounds and trajectory definitions are in docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations

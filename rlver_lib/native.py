@@ -1,21 +1,13 @@
 """The native inference build: llama.cpp's ``llama-server``, compiled for the CPU it runs on.
 
-The embedded simulated user runs in a ``llama-server`` process (see
-:class:`rlver_lib.backends.LlamaServerBackend`). The binary is compiled from the
-llama.cpp sources vendored in the ``llama-cpp-python`` source distribution (a pinned
-version, from the Python package index) with the instruction-set flags chosen from
-the CPU's own feature list (:func:`cmake_args`), never with ``-march=native``:
-
-- each x86-64 extension llama.cpp can use (SSE4.2, AVX, AVX2, FMA, F16C, BMI2,
-  AVX-VNNI, AVX-512 F/CD/VL/DQ/BW, VBMI, VNNI, BF16) is turned on exactly when the
-  CPU reports it;
-- AMX is always off: on virtual machines that report AMX, the tile state is not
-  usable from ggml's worker threads and the AMX kernels die with SIGILL (upstream
-  llama.cpp issues #28328 and #28756); ``-march=native`` would turn it back on.
-
-The build records the feature set it was made for in a stamp file beside the binary
-(:func:`build_info`); :func:`llama_server_path` refuses a binary built for other
-features, so a build never runs on a CPU it was not made for.
+The embedded simulated user runs in a ``llama-server`` process
+(:class:`rlver_lib.backends.LlamaServerBackend`). The binary is compiled from the
+llama.cpp sources vendored in the pinned ``llama-cpp-python`` source distribution, with
+each x86-64 instruction set turned on exactly when the CPU reports it
+(:func:`cmake_args`), never ``-march=native``, and AMX always off (its kernels die with
+SIGILL on virtual machines). The build's stamp (:func:`build_info`) records the
+features it was made for; :func:`llama_server_path` refuses a binary built for others.
+Why and how: docs/ARCHITECTURE.md ("Native build").
 
 ``python -m rlver_lib.native build`` builds it (what ``make setup`` runs);
 ``python -m rlver_lib.native cmake-args`` prints the flags for this CPU.

@@ -1,27 +1,17 @@
 """Scenarios: who the simulated user is and what they secretly want (docs/ARCHITECTURE.md "scenarios").
 
 A :class:`Scenario` is a persona card, a situation, a personality type
-(``negative`` / ``passive`` / ``avoidant``) and one of the paper's eight
-**hidden intentions** (RLVER §3.1; the same eight "hidden themes" as the SAGE
-profiles), plus an optional opening line and the language (``en`` / ``zh``).
+(``negative`` / ``passive`` / ``avoidant``) and one of the paper's eight **hidden
+intentions** (RLVER §3.1; the same eight "hidden themes" as the SAGE profiles), plus an
+optional opening line and the language (``en`` / ``zh``).
 
-Two file formats are read, detected per file:
-
-* **our format** — JSONL (one object per line) or YAML (a list of objects, or a
-  mapping with a ``scenarios`` list). Fields: ``id``, ``persona`` (card text),
-  ``situation`` (object with ``background``, ``conflict``, ``current_state``,
-  ``mood_high``, ``mood_low``, ``mood_normal``, ``reply_fit``, ``reply_miss``),
-  ``personality``, ``hidden_intention`` (a key of :data:`HIDDEN_INTENTIONS`),
-  optional ``opening_line``, ``language`` (detected from the text when absent),
-  ``traits``, ``split`` (``train``/``test``) and ``source``.
-* **RLVER/SAGE profiles** — JSONL with ``id``, ``player`` (Markdown persona card),
-  ``scene`` (Markdown scenario), ``main_cha`` (负面型/被动型/回避型), ``cha_group``,
-  ``task`` (one of the eight fixed Chinese intention sentences) and optional
-  ``first_talk``. The scene is kept as free text (its trailing hidden-theme line
-  removed; the intention is carried by ``hidden_intention``).
-
-Every problem found by :func:`validate_file` names the file, the line and the
-field. Loaders raise :class:`ScenarioFileError` carrying those issues.
+Two file formats are read, detected per file: **our format** (JSONL or YAML, a
+structured ``situation``) and **RLVER/SAGE profiles** (JSONL with ``player``,
+``scene``, ``main_cha``, ``task``); their fields are listed in docs/ARCHITECTURE.md.
+Every problem found by :func:`validate_file` names the file, the line and the field;
+loaders raise :class:`ScenarioFileError` carrying those issues. Also here: the
+persona-disjoint split of a run (:func:`split_for_run`) and scenario generation
+(:func:`generate_scenarios`).
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """The affective simulated user (the RLVER paper's SAGE-style "sentient agent"; docs/ARCHITECTURE.md "simulator").
 
-The user holds an emotion score ``e`` in [0, 100] and a mood letter
-(:func:`mood_for`). After each policy reply it makes two structured calls:
+The user holds an emotion score ``e`` in [0, 100] and a mood letter (:func:`mood_for`).
+After each policy reply it makes two structured calls: *appraise* (in character: what
+the reply meant, how it fits the hidden intention, the inner reaction, and an integer
+``change`` in [-10, 10]) and *reply* (the next user message, given the appraisal and
+the new mood, with an ``end_conversation`` flag). Between the two, the update rule runs
+in code (:func:`apply_change`): ``e = clamp(e + clamp(change, -10, 10), 0, 100)``.
 
-1. *appraise* — in character: what the reply meant, how it fits the hidden
-   intention, the inner reaction, and an integer ``change`` in [-10, 10];
-2. *reply* — the next user message, given the appraisal and the current mood
-   (S: thank and say goodbye; F: say goodbye), with an ``end_conversation`` flag.
-
-Between the two, the update rule runs in code, not in the model
-(:func:`apply_change`): the change is clamped to [-10, 10], then
-``e = clamp(e + change, 0, 100)``.
-
-Robustness (docs/ARCHITECTURE.md "simulator"): each structured call is retried at most
-``sim_cfg.max_retries`` times on unusable output (invalid JSON, missing or
-mistyped field, change out of range, backend error); every attempt's raw output
-is recorded; a turn that still fails carries ``error`` and no invented score.
-The appraisal and the reply's reasoning are private: only ``reply`` is meant for
-the policy, and a missing ``message`` field is a failed attempt, never a
-fallback to the analysis text.
-
-Seeding: every batched call uses a seed derived from (simulator seed, stage,
-turn, attempt) with :func:`derive_seed`, which does not depend on which other
-dialogues share the batch.
+Each structured call is retried at most ``sim_cfg.max_retries`` times on unusable
+output (:func:`~rlver_lib.backends.structured_batch`); every raw output is recorded, and
+a turn that still fails carries ``error`` and no invented score. Only ``reply`` is
+meant for the policy. Every batched call is seeded from (simulator seed, stage, turn,
+attempt), whichever dialogues share the batch.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Resampling statistics for benchmark figures (docs/ARCHITECTURE.md "evaluation").
 
-Small, documented API shared by the benchmark, the paired baseline-vs-trained
-comparison, judge agreement and the training curves:
+Shared by the benchmark, the paired baseline-vs-trained comparison, judge agreement and
+the training curves: :func:`bootstrap_ci` (independent observations),
+:func:`cluster_bootstrap_ci` and :func:`cluster_bootstrap` (whole clusters resampled:
+dialogues of one scenario, turns of one dialogue), :func:`sign_flip_test` (paired
+permutation test, exact for n <= 16), :func:`sign_test`, :func:`paired_difference`
+(both tests and the interval of the mean difference) and :func:`curve_ci` (per-step
+curves clustered by scenario).
 
-- :func:`bootstrap_ci` — mean with a percentile bootstrap interval over independent
-  observations;
-- :func:`cluster_bootstrap_ci` — the same when observations come in clusters (several
-  dialogues of one scenario, several turns of one dialogue): whole clusters are
-  resampled, so replicas that share a scenario do not narrow the interval;
-- :func:`cluster_bootstrap` — any statistic of clustered data, resampled the same way;
-- :func:`sign_flip_test` — two-sided paired permutation test of a zero mean
-  difference (random sign flips, exact for n <= 16) with ``scipy.stats.permutation_test``;
-- :func:`sign_test` — two-sided sign test (``scipy.stats.binomtest``);
-- :func:`paired_difference` — the paired comparison of two conditions over the same
-  units (mean difference, its bootstrap interval, both tests);
-- :func:`curve_ci` — a per-step mean curve with intervals clustered by scenario.
-
-Percentile intervals: ``(1-confidence)/2`` and ``(1+confidence)/2`` percentiles of the
-resampled statistic (numpy's linear interpolation).  The same inputs and ``seed``
-give the same result.  :data:`MIN_N` is the smallest sample for which the report
-shows an interval, a p-value or a correlation.
+Percentile intervals: the ``(1-confidence)/2`` and ``(1+confidence)/2`` percentiles of
+the resampled statistic (numpy's linear interpolation); the same inputs and ``seed``
+give the same result. :data:`MIN_N` is the smallest sample for which the report shows
+an interval, a p-value or a correlation.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """In-process vLLM policy backend for GPU rollouts (docs/ARCHITECTURE.md "backends"; docs/GPU.md).
 
-:class:`VLLMBackend` runs the policy's base model in ``vllm.LLM`` with LoRA enabled
-and generates with the *current* LoRA adapter: after every learner update the
-trainer calls :meth:`VLLMBackend.sync_policy`, which saves the peft adapter to a
-versioned folder and switches to a new ``LoRARequest`` for the next rollout.
-Each :class:`~rlver_lib.backends.Generation` carries the exact prompt token ids,
-the sampled completion ids (end-of-turn token included when emitted) and their
-log-probabilities under the sampling distribution (vLLM ``processed_logprobs``,
-i.e. after temperature / top-p), so the learner trains on exactly what was sampled
-(docs/ARCHITECTURE.md "rollout": train on the ids that were sampled).
+:class:`VLLMBackend` runs the policy's base model in ``vllm.LLM`` with LoRA enabled and
+generates with the *current* adapter: after every learner update the trainer calls
+:meth:`VLLMBackend.sync_policy`, which saves the peft adapter to a versioned folder and
+switches to a new ``LoRARequest``. Each :class:`~rlver_lib.backends.Generation` carries
+the prompt ids, the sampled ids and their log-probabilities under the sampling
+distribution (``processed_logprobs``), so the learner trains on exactly what was sampled.
 
-vLLM is CUDA-only and an optional extra (``pip install '.[gpu]'``); it is imported
-inside :class:`VLLMBackend` only, so importing this module never imports vLLM.
-The vLLM-independent logic (adapter versions, sampling translation, output
-conversion) lives in small pure functions below, tested on CPU.
+vLLM is CUDA-only and optional (``pip install '.[gpu]'``): it is imported inside
+:class:`VLLMBackend` only. The vLLM-independent logic (adapter versions, sampling
+translation, output conversion) lives in small pure functions below, tested on CPU.
 """
 
 from __future__ import annotations
