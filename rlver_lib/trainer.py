@@ -310,6 +310,44 @@ def ppo_sample_advantages(samples: list[_Sample], rewards: dict[str, float], *, 
             s.advantages, s.returns = a, r
 
 
+def train_reward(trajectory: Any, format_penalty: float) -> float:
+    """The reward a dialogue is trained on: its reward minus ``format_penalty`` when a policy
+    turn broke the format; 0 for an ``error`` dialogue (trained only with
+    ``training.error_dialogues: zero_reward``)."""
+    if trajectory.termination == "error":
+        return 0.0
+    return float(trajectory.reward) - (format_penalty if trajectory.format_violations else 0.0)
+
+
+def micro_batch_count(busiest: int, mini_batch_size: int, accumulation: int) -> int:
+    """One micro-batch count for every process: enough that none holds more than
+    ``mini_batch_size`` samples on the ``busiest`` process, rounded up to whole windows of
+    ``accumulation`` micro-batches, so every process runs the same passes and optimizer
+    steps (a process with fewer samples gets smaller or empty, zero-weight, micro-batches)."""
+    return accumulation * math.ceil(math.ceil(busiest / mini_batch_size) / accumulation)
+
+
+def window_sizes(chunks: Sequence[Sequence[_Sample]], accumulation: int) -> torch.Tensor:
+    """``[windows, 2]`` float64: the policy tokens and the samples of each window of
+    ``accumulation`` consecutive micro-batches (``chunks``) on this process; summed over
+    processes they are the window's loss normalisers."""
+    return torch.tensor([[sum(float(s.mask.sum()) for chunk in chunks[w:w + accumulation] for s in chunk),
+                          sum(len(chunk) for chunk in chunks[w:w + accumulation])]
+                         for w in range(0, len(chunks), accumulation)], dtype=torch.float64).reshape(-1, 2)
+
+
+def empty_sample(pad_id: int) -> _Sample:
+    """A zero-weight micro-batch (no policy token) for a process with no samples left."""
+    return _Sample("", "", 0, torch.tensor([pad_id, pad_id]), torch.zeros(1))
+
+
+def hand_over_policy(backend: Any, model: nn.Module, step: int) -> None:
+    """Give the rollout ``backend`` the policy of ``step`` (its ``sync_policy``, where it has one)."""
+    sync = getattr(backend, "sync_policy", None)
+    if sync is not None:
+        sync(model, step)
+
+
 def _collate(samples: Sequence[_Sample], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Right-padded batch: ``input_ids``/``attention_mask`` ``[B, L]``, the rest ``[B, L-1]``
     (a field a sample lacks is 0; ``sampling_logprobs`` is NaN where unknown)."""
@@ -665,7 +703,7 @@ class Trainer:
         rollout_s = time.perf_counter() - start
         self._stop_if_simulator_died(trajectories)
 
-        rewards = {t.dialogue_id: self._reward(t) for t in trajectories}
+        rewards = {t.dialogue_id: train_reward(t, training.format_penalty) for t in trajectories}
         trained = [t for t in trajectories
                    if t.samples and (t.termination != "error" or training.error_dialogues == "zero_reward")]
         samples = samples_from_trajectories(trained)
@@ -677,9 +715,7 @@ class Trainer:
         learning_rate = self.optimizer.param_groups[0]["lr"]  # the rate this step's update used
         self.scheduler.step()
         update_s = time.perf_counter() - update_start
-        sync = getattr(self.policy_backend, "sync_policy", None)
-        if sync is not None:
-            sync(self.model.policy, self.step)
+        hand_over_policy(self.policy_backend, self.model.policy, self.step)
 
         ids = {t.dialogue_id for t in trained}
         records = self.collect.gather([dict(t.to_record(), train_reward=rewards[t.dialogue_id],
@@ -711,12 +747,6 @@ class Trainer:
             f"{self.out_dir / 'dialogues' / f'step_{self.step:06d}.failed.jsonl'}; "
             f"last checkpoint: {last or 'none yet'}; run the same command again to resume")
 
-    def _reward(self, trajectory) -> float:
-        if trajectory.termination == "error":
-            return 0.0  # used only with training.error_dialogues: zero_reward
-        penalty = self.training.format_penalty if trajectory.format_violations else 0.0
-        return float(trajectory.reward) - penalty
-
     def _update(self, samples: list[_Sample], step_seed: int) -> dict[str, float]:
         """``epochs_per_step`` passes of micro-batches, one optimizer step per window of
         ``grad_accum_steps`` micro-batches (accelerate's ``accumulate``). Returns the
@@ -726,11 +756,7 @@ class Trainer:
         busiest = int(self.collect.max(torch.tensor([float(len(samples))])))
         if busiest == 0:  # every process skips alike: nobody has anything to learn from
             return {}
-        # One micro-batch count for every process: enough that none holds more than
-        # mini_batch_size samples on the busiest process, rounded up to whole windows,
-        # so every process runs the same passes and optimizer steps (a process with
-        # fewer samples gets smaller or empty, zero-weight, micro-batches).
-        n_micro = accumulation * math.ceil(math.ceil(busiest / training.mini_batch_size) / accumulation)
+        n_micro = micro_batch_count(busiest, training.mini_batch_size, accumulation)  # the same on every process
         generator = torch.Generator().manual_seed(step_seed)
         totals = dict.fromkeys(_UPDATE_SUMS, 0.0)
         grad_norms: list[float] = []
@@ -738,13 +764,9 @@ class Trainer:
         for _ in range(training.epochs_per_step):
             order = torch.randperm(len(samples), generator=generator).numpy()
             chunks = [[samples[i] for i in part] for part in np.array_split(order, n_micro)]
-            # policy tokens and samples of each window, over all processes: its loss normalisers
-            windows = self.collect.sum(torch.tensor(
-                [[sum(float(s.mask.sum()) for chunk in chunks[w:w + accumulation] for s in chunk),
-                  sum(len(chunk) for chunk in chunks[w:w + accumulation])]
-                 for w in range(0, n_micro, accumulation)], dtype=torch.float64))
+            windows = self.collect.sum(window_sizes(chunks, accumulation))  # each window's loss normalisers
             for k, chunk in enumerate(chunks):
-                batch = _collate(chunk or [self._empty_sample()], self.pad_id, accelerator.device)
+                batch = _collate(chunk or [empty_sample(self.pad_id)], self.pad_id, accelerator.device)
                 tokens, rows = windows[k // accumulation].tolist()
                 with accelerator.accumulate(self.prepared):
                     loss, parts = micro_batch_loss(self.prepared, batch, training, tokens=tokens, rows=rows,
@@ -767,10 +789,6 @@ class Trainer:
                               windows=n_micro // accumulation * training.epochs_per_step)
 
     # ------------------------------------------------------------ collectives, files
-
-    def _empty_sample(self) -> _Sample:
-        """A zero-weight micro-batch (no policy token) for a process with no samples left."""
-        return _Sample("", "", 0, torch.tensor([self.pad_id, self.pad_id]), torch.zeros(1))
 
     def _log(self, row: dict[str, Any]) -> None:
         self.history.append(row)
@@ -798,9 +816,8 @@ class Trainer:
                                f"config asks for {self.training.algorithm!r}")
         self.checkpoints.load(path)
         self.step, self.data_position = int(state["step"]), int(state["data_position"])
-        sync = getattr(self.policy_backend, "sync_policy", None)
-        if sync is not None:  # a fresh rollout engine must sample from the restored adapter
-            sync(self.model.policy, self.step)
+        # a fresh rollout engine must sample from the restored adapter
+        hand_over_policy(self.policy_backend, self.model.policy, self.step)
         metrics = self.out_dir / "metrics.jsonl"
         if metrics.is_file():
             self.history = [row for _, row in iter_jsonl(metrics) if row["step"] <= self.step]

@@ -29,10 +29,13 @@ from rlver_lib.trainer import (
     configure_deepspeed,
     grpo_sample_advantages,
     lr_scheduler,
+    micro_batch_count,
     ppo_sample_advantages,
     sample_scenario_indices,
     samples_from_trajectories,
     score_old,
+    train_reward,
+    window_sizes,
 )
 
 OPENINGS = ["I had a rough day.", "My friend is mad at me.", "I feel stuck at work.", "Nobody listens to me."]
@@ -230,6 +233,32 @@ def test_ppo_gae_runs_across_the_turn_boundary_of_a_two_turn_dialogue():
     torch.testing.assert_close(samples[1].advantages, torch.tensor([0, 0, a1, a2]))
     torch.testing.assert_close(samples[0].advantages, torch.tensor([0, 0, 0, a3, a4]))
     torch.testing.assert_close(samples[1].returns, torch.tensor([0, 0, a1 + 0.1, a2 + 0.2]))
+
+
+@pytest.mark.parametrize("busiest, mini_batch, accumulation, expected", [
+    (8, 2, 1, 4),   # 4 micro-batches of 2
+    (8, 2, 3, 6),   # 4 needed, rounded up to two whole windows of 3
+    (5, 2, 2, 4),   # ceil(5 / 2) = 3, rounded up to two windows of 2
+    (1, 8, 4, 4),   # one sample still fills one whole window (three micro-batches empty)
+])
+def test_micro_batch_count_covers_the_busiest_process_in_whole_windows(busiest, mini_batch, accumulation, expected):
+    assert micro_batch_count(busiest, mini_batch, accumulation) == expected
+
+
+def test_window_sizes_count_policy_tokens_and_samples_per_window():
+    a, b, c = (_Sample("d", "g", 0, torch.zeros(n + 1, dtype=torch.long), torch.tensor([1.0] * n + [0.0]))
+               for n in (1, 2, 3))
+    # micro-batches [a, b], [c], [], [a]; windows of 2 micro-batches: ([a, b], [c]) and ([], [a])
+    sizes = window_sizes([[a, b], [c], [], [a]], 2)
+    assert sizes.dtype == torch.float64 and sizes.tolist() == [[6.0, 3.0], [1.0, 1.0]]
+
+
+def test_train_reward_penalises_format_and_zeroes_errors():
+    from types import SimpleNamespace as T
+
+    assert train_reward(T(termination="success", reward=1.0, format_violations=0), 0.1) == 1.0
+    assert train_reward(T(termination="max_turns", reward=0.5, format_violations=2), 0.1) == pytest.approx(0.4)
+    assert train_reward(T(termination="error", reward=0.7, format_violations=1), 0.1) == 0.0
 
 
 def test_sampling_logprobs_are_aligned_with_the_policy_tokens():
