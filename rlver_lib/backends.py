@@ -26,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Literal, Protocol, Sequence, TypeVar, runtime_checkable
 
-from .config import SamplingParams  # re-exported: backends.SamplingParams
+from rlver_lib.config import SamplingParams  # re-exported: backends.SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -480,7 +480,7 @@ class LlamaServerBackend:
         import subprocess
         import tempfile
 
-        from . import native
+        from rlver_lib import native
 
         path = Path(model_path)
         if not path.is_file():

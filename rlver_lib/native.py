@@ -26,7 +26,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from .io import atomic_directory
+from rlver_lib.io import atomic_directory
 
 LLAMA_CPP_SOURCE = "llama-cpp-python==0.3.36"
 BINARY = "llama-server"

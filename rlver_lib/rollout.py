@@ -34,8 +34,8 @@ from typing import Any, Literal, Protocol, Sequence
 
 from tqdm.auto import tqdm
 
-from .backends import ChatBackend, Conversation, SamplingParams, derive_seed
-from .simulator import (
+from rlver_lib.backends import ChatBackend, Conversation, SamplingParams, derive_seed
+from rlver_lib.simulator import (
     FAILURE_EMOTION,
     SUCCESS_EMOTION,
     RuleSimulator,

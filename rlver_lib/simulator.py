@@ -24,8 +24,8 @@ from importlib import resources
 from string import Template
 from typing import Any, Callable, Literal, Sequence
 
-from .backends import BackendError as BackendError  # re-exported: what a failed simulator call raises
-from .backends import (
+from rlver_lib.backends import BackendError as BackendError  # re-exported: what a failed simulator call raises
+from rlver_lib.backends import (
     ChatBackend,
     Conversation,
     SamplingParams,
@@ -34,7 +34,7 @@ from .backends import (
     derive_seed,
     structured_batch,
 )
-from .config import SimulatorConfig
+from rlver_lib.config import SimulatorConfig
 
 Mood = Literal["S", "A", "B", "C", "F"]
 Difficulty = Literal["easy", "moderate", "hard"]
@@ -571,6 +571,6 @@ def build_simulator(sim_cfg: SimulatorConfig, seed: int) -> UserSimulator | Rule
     process: close it with ``simulator.backend.close()``)."""
     if sim_cfg.backend == "rule":
         return RuleSimulator()
-    from .models import make_simulator_backend
+    from rlver_lib.models import make_simulator_backend
 
     return UserSimulator(make_simulator_backend(sim_cfg, seed), sim_cfg, seed=seed)

@@ -32,11 +32,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import algorithms
-from .backends import ChatBackend
-from .checkpoint import Checkpoints
-from .config import ConfigError, RunConfig, TrainingConfig, dump_config, training_problems
-from .io import atomic_directory, atomic_write_text, iter_jsonl, write_jsonl
+from rlver_lib import algorithms
+from rlver_lib.backends import ChatBackend
+from rlver_lib.checkpoint import Checkpoints
+from rlver_lib.config import ConfigError, RunConfig, TrainingConfig, dump_config, training_problems
+from rlver_lib.io import atomic_directory, atomic_write_text, iter_jsonl, write_jsonl
 
 TIMING_METRICS = ("step_time_s", "rollout_time_s", "update_time_s", "tokens_per_s",
                   "generated_tokens_per_s", "peak_memory_mb")
@@ -204,7 +204,7 @@ def build_model(cfg: RunConfig) -> tuple[PolicyWithValueHead, Any]:
     ``disable_dropout``), so old and new log-probs come from the same function."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from .models import load_policy
+    from rlver_lib.models import load_policy
 
     policy, tokenizer = load_policy(cfg.policy, trainable=True)
     if not isinstance(policy, PeftModel):
@@ -602,7 +602,7 @@ class Trainer:
         from accelerate import Accelerator
         from transformers import set_seed
 
-        from .models import make_policy_backend
+        from rlver_lib.models import make_policy_backend
 
         problems = training_problems(cfg)
         if problems:
@@ -629,7 +629,7 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id
         self.policy_backend = policy_backend or make_policy_backend(cfg.policy, self.model.policy, self.tokenizer)
         if simulator is None:
-            from .simulator import build_simulator
+            from rlver_lib.simulator import build_simulator
 
             simulator = build_simulator(cfg.simulator, cfg.seed)
         self.simulator = simulator
@@ -687,7 +687,7 @@ class Trainer:
     # ------------------------------------------------------------ one step
 
     def _train_step(self) -> dict[str, Any]:
-        from .rollout import run_rollouts
+        from rlver_lib.rollout import run_rollouts
 
         training, policy_cfg, accelerator = self.training, self.cfg.policy, self.accelerator
         start = time.perf_counter()

@@ -42,13 +42,13 @@ from nbconvert.preprocessors import TagRemovePreprocessor
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tqdm import tqdm
 
-from .config import ConfigError, RunConfig, ScenarioConfig, build_config, dump_config, load_config, load_params
-from .io import atomic_write_json, atomic_write_text, write_jsonl
-from .scenarios import BUILTIN_FILE, RunSplit, Scenario, ScenarioIssue, load_scenarios, validate_file
+from rlver_lib.config import ConfigError, RunConfig, ScenarioConfig, build_config, dump_config, load_config, load_params
+from rlver_lib.io import atomic_write_json, atomic_write_text, write_jsonl
+from rlver_lib.scenarios import BUILTIN_FILE, RunSplit, Scenario, ScenarioIssue, load_scenarios, validate_file
 
 if TYPE_CHECKING:
-    from .evaluation import BenchmarkResult, PairedComparison
-    from .rollout import Trajectory
+    from rlver_lib.evaluation import BenchmarkResult, PairedComparison
+    from rlver_lib.rollout import Trajectory
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = Path(os.environ.get("RLVER_NOTEBOOKS", PROJECT_ROOT / "notebooks"))
@@ -445,7 +445,7 @@ def run_wall_s(manifest: dict[str, Any]) -> float | None:
 
 def judge_statement(cfg: RunConfig) -> str:
     """Markdown naming the benchmark's judge (``evaluation.judge``) and protocol."""
-    from .evaluation import judge_description, judge_label, judge_seed
+    from rlver_lib.evaluation import judge_description, judge_label, judge_seed
 
     ev = cfg.evaluation
     judge = judge_label(judge_description(ev.judge, judge_seed(ev, cfg.seed)))
@@ -457,7 +457,7 @@ def judge_statement(cfg: RunConfig) -> str:
 
 
 def _report_header(cfg: RunConfig, manifest: dict[str, Any]) -> str:
-    from .evaluation import headline_markdown
+    from rlver_lib.evaluation import headline_markdown
 
     git = manifest.get("git", {})
     parts = [f"# RLVER run report: `{cfg.run_name}`"]
@@ -708,7 +708,7 @@ def _refuse_mixed_judges(cells: list[AblationCell]) -> None:
 def _refuse_mixed_recorded_judges(grid_dir: Path, cells: list[AblationCell]) -> None:
     """After the cells ran: the judges and protocols their ``summary.json`` files record
     must agree (catches cells resumed from older runs); else :class:`PipelineError`."""
-    from .evaluation import JudgeMismatchError, check_same_judge
+    from rlver_lib.evaluation import JudgeMismatchError, check_same_judge
 
     summaries = {}
     for cell in cells:
@@ -794,8 +794,8 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation:
     than ``baseline`` when ``eval/baseline`` exists, ``<run_dir>/eval/paired.json``
     (:func:`write_paired`).
     """
-    from . import analysis, evaluation
-    from .models import load_policy, make_policy_backend
+    from rlver_lib import analysis, evaluation
+    from rlver_lib.models import load_policy, make_policy_backend
 
     label = label or ("trained" if cfg.policy.adapter else "baseline")
     out_dir = cfg.run_dir / "eval" / label
@@ -837,7 +837,7 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation:
 
 def eval_command(cfg: Any, *, label: str | None = None) -> int:
     """``rlver eval PARAMS.yaml``: run :func:`evaluate`, print the headline figures, return 0."""
-    from . import evaluation
+    from rlver_lib import evaluation
 
     ev = evaluate(cfg, label=label)
     s = ev.benchmark.summary
