@@ -4,9 +4,7 @@
     rlver ablate GRID.yaml [--set key=value ...]     every grid cell, then one comparison report
     rlver eval PARAMS.yaml [--set key=value ...]     the benchmark alone (base model or policy.adapter)
     rlver sage-score FILE [FILE ...] [--json]        Sentient score of SAGE-format transcripts (and their protocol)
-    rlver judge-agreement FILE [FILE ...] [--params P] [--set key=value ...]
-                          [--sample N] [--dialogues D] [--seed S] [--json OUT]
-                                                     the benchmark judge against SAGE's stored judgements
+    rlver judge-agreement FILE [FILE ...] [options]  the benchmark judge against SAGE's stored judgements
     rlver scenarios validate FILE                    exit 0 when valid, else file/line/field named
     rlver models prepare                             convert and check the embedded models
     rlver doctor                                     CPU, native builds, threads, smoke generations
