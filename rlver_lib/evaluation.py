@@ -394,7 +394,7 @@ def judge_seed(eval_cfg: Any, run_seed: int) -> int:
     return run_seed if seed is None else int(seed)
 
 
-def judge_label(judge: dict[str, Any]) -> str:
+def judge_name(judge: dict[str, Any]) -> str:
     """A one-line name of a :func:`judge_description` for reports."""
     if judge.get("backend") == "rule":
         return "the rule simulator (no language model)"
@@ -604,6 +604,7 @@ def run_benchmark(
             initial_emotion=eval_cfg.initial_emotion, think=think,
             sampling=sampling, seed=seed_k, max_context_tokens=max_context_tokens,
             format_violation=format_violation, progress=progress,
+            final_reply=protocol["name"] == "sage",  # SAGE's unappraised reply answers the user's last message
         )
         fatal = getattr(judge_k, "fatal_error", None)
         if fatal:  # keep what was played (the dialogues in flight end with `error`), then stop
@@ -786,7 +787,7 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
     judge = first.get("judge")
     protocol = first.get("protocol") or {}
     if judge:
-        lines.append(f"- Judge: {judge_label(judge)}.")
+        lines.append(f"- Judge: {judge_name(judge)}.")
     if protocol:
         rule = ("every policy reply appraised" if protocol.get("name") == "full"
                 else f"{protocol.get('max_policy_turns')} policy replies, the first "

@@ -22,7 +22,9 @@ failed after its retries), ``success`` (e >= 100), ``failure`` (e < 10),
 ``max_context_tokens``; counted apart from the cap). With ``format_violation == "end_dialogue"`` a malformed
 think block ends the dialogue at once with ``format_violation`` (the malformed
 text never reaches the user). Every policy reply that reaches the user is
-appraised, the last one too. Reward = final emotion / 100 (0.0-1.0).
+appraised, the last one too; on the last allowed turn the simulated user only
+appraises (its message would never be read; ``final_reply=True`` asks for it).
+Reward = final emotion / 100 (0.0-1.0).
 """
 
 from __future__ import annotations
@@ -349,6 +351,7 @@ def run_rollouts(
     progress: bool = True,
     max_context_tokens: int | None = None,
     format_violation: Literal["keep_reply", "end_dialogue"] = "keep_reply",
+    final_reply: bool = False,
 ) -> list[Trajectory]:
     """Play ``len(scenarios) * n_per_scenario`` dialogues in lockstep (docs/ARCHITECTURE.md "rollout").
 
@@ -359,7 +362,11 @@ def run_rollouts(
     exceed it ends before that turn, with ``context_limit`` (its last reply was
     already appraised); needs a policy backend with ``prompt_ids(conversation)``.
     ``format_violation``: ``keep_reply`` (the reply with all think tags and
-    thought removed goes on) or ``end_dialogue``.
+    thought removed goes on) or ``end_dialogue``. ``final_reply``: on turn
+    ``max_turns`` the simulator also writes the user's next message (one more call per
+    dialogue that nothing reads); by default that turn is appraised only (the
+    simulator's ``appraise`` where it has one: the user entry then has ``content``
+    ``None`` and no goodbye, the emotion and appraisal as usual).
     Returns trajectories in order (scenario order, then replica ``k``); each has
     ``group_id`` = scenario id (GRPO groups). Raises ``ValueError`` on bad arguments
     or when the simulator answers for the wrong dialogues.
@@ -387,15 +394,17 @@ def run_rollouts(
                 raise ValueError(f"policy returned {len(generations)} generations for {len(live)} dialogues")
             to_user = [d for d, g in zip(live, generations) if _record_policy_turn(d, turn, g, think, format_violation)]
             if to_user:
-                _simulate(simulator, to_user, turn)
+                _simulate(simulator, to_user, turn, reply=final_reply or turn < max_turns - 1)
             bar.update(1)
     return [d.trajectory() for d in dialogues]
 
 
-def _simulate(simulator: Simulator, dialogues: list[_Dialogue], turn: int) -> None:
-    """One batched simulator step over ``dialogues``; results are matched by dialogue id."""
+def _simulate(simulator: Simulator, dialogues: list[_Dialogue], turn: int, *, reply: bool = True) -> None:
+    """One batched simulator step over ``dialogues`` (appraisal only when not ``reply``
+    and the simulator has ``appraise``); results are matched by dialogue id."""
     requests = [SimulatorRequest(d.dialogue_id, d.scenario, list(d.history), d.emotion, turn) for d in dialogues]
-    results = simulator.step(requests)
+    step = simulator.step if reply else getattr(simulator, "appraise", simulator.step)
+    results = step(requests)
     by_id = {r.dialogue_id: r for r in results}
     if len(results) != len(requests) or set(by_id) != {d.dialogue_id for d in dialogues}:
         raise ValueError("simulator results do not match the requested dialogue ids")
