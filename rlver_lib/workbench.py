@@ -445,10 +445,10 @@ def run_wall_s(manifest: dict[str, Any]) -> float | None:
 
 def judge_statement(cfg: RunConfig) -> str:
     """Markdown naming the benchmark's judge (``evaluation.judge``) and protocol."""
-    from rlver_lib.evaluation import judge_description, judge_label, judge_seed
+    from rlver_lib.evaluation import judge_description, judge_name, judge_seed
 
     ev = cfg.evaluation
-    judge = judge_label(judge_description(ev.judge, judge_seed(ev, cfg.seed)))
+    judge = judge_name(judge_description(ev.judge, judge_seed(ev, cfg.seed)))
     rule = ("every policy reply appraised" if ev.protocol == "full"
             else f"{ev.max_turns} policy replies, the first {ev.max_turns - 1} appraised (SAGE's turn rule)")
     return (f"**Benchmark judge.** {judge[0].upper() + judge[1:]}, the same for baseline and trained policy "
@@ -848,7 +848,7 @@ def eval_command(cfg: Any, *, label: str | None = None) -> int:
           f"last emotion, {s.score_errors_as_zero:.1f} as 0), context-budget stops {s.n_context_limit}, "
           f"mean turns {s.mean_turns.value:.2f}, protocol {cfg.evaluation.protocol} -> {ev.benchmark.out_dir}")
     seed = evaluation.judge_seed(cfg.evaluation, cfg.seed)
-    print("judge: " + evaluation.judge_label(evaluation.judge_description(cfg.evaluation.judge, seed)))
+    print("judge: " + evaluation.judge_name(evaluation.judge_description(cfg.evaluation.judge, seed)))
     if ev.math is not None:
         print("capability retention: " + json.dumps({k: v for k, v in ev.math.items() if k != "lm_eval"}))
     if ev.paired is not None:
