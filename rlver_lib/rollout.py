@@ -1,30 +1,18 @@
 """Batched multi-turn rollouts between the policy and a simulated user
 (the RLVER paper's dialogue rollouts; docs/ARCHITECTURE.md "rollout").
 
-:func:`run_rollouts` plays many dialogues at once. The user speaks first (the
-scenario's opening line, or a generated one). Then, per policy turn: ONE batched
-``policy.generate`` over all live dialogues, ONE batched ``simulator.step``;
-finished dialogues drop out. Every dialogue keeps its own :class:`_Dialogue`
-state keyed by a stable id ``<scenario_id>#<k>`` from first turn to reward, so
-rewards can never be attributed to a neighbour when dialogues end at different
-turns (docs/ARCHITECTURE.md "rollout").
+:func:`run_rollouts` plays many dialogues at once: the user speaks first (the
+scenario's opening line, or a generated one), then each policy turn is ONE batched
+``policy.generate`` over the live dialogues and ONE batched ``simulator.step``. Each
+dialogue keeps its own state under a stable id ``<scenario_id>#<k>`` from first turn to
+reward, so a reward is never given to a neighbour when dialogues end at different turns.
 
-Think mode (the RLVER paper's "think-then-say" template): the policy writes ``<think>...</think>``
-then its reply; only the text after the last ``</think>`` reaches the simulator
-and the history, so later contexts never contain earlier thoughts and each policy
-turn is its own training sample (:class:`TurnSample`) holding exactly the ids
-the policy saw and sampled.
-
-Termination (first that applies after a turn): ``error`` (the simulator turn
-failed after its retries), ``success`` (e >= 100), ``failure`` (e < 10),
-``goodbye`` (the user's structured end flag), ``max_turns`` (policy-turn cap),
-``context_limit`` (the next policy context would not leave room for a reply within
-``max_context_tokens``; counted apart from the cap). With ``format_violation == "end_dialogue"`` a malformed
-think block ends the dialogue at once with ``format_violation`` (the malformed
-text never reaches the user). Every policy reply that reaches the user is
-appraised, the last one too; on the last allowed turn the simulated user only
-appraises (its message would never be read; ``final_reply=True`` asks for it).
-Reward = final emotion / 100 (0.0-1.0).
+Think mode (the paper's "think-then-say"): only the text after the last ``</think>``
+reaches the simulator and the history; each policy turn is its own training sample
+(:class:`TurnSample`) of exactly the ids the policy saw and sampled. Every reply that
+reaches the user is appraised (on the last allowed turn only appraised, unless
+``final_reply``). Terminations: ``error``, ``success`` (e >= 100), ``failure`` (e < 10),
+``goodbye``, ``max_turns``, ``context_limit``, ``format_violation``; reward = e / 100.
 """
 
 from __future__ import annotations
