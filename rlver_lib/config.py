@@ -98,7 +98,9 @@ class SimulatorConfig(_Strict):
 
     ``backend``: ``llamacpp`` (a GGUF file served by llama.cpp's ``llama-server``, which
     the workbench starts and stops itself; ``concurrency`` dialogues are decoded
-    together, each in its own slot of ``n_ctx`` tokens), ``transformers`` (local HF model),
+    together, each in its own slot of ``n_ctx`` tokens; a request there waits for the
+    whole batch, so its timeout is ``timeout_s`` per dialogue in flight, i.e.
+    ``timeout_s * concurrency``), ``transformers`` (local HF model),
     ``openai`` (any OpenAI-compatible server at ``base_url``; the key is read
     from the environment variable named by ``api_key_env``), or ``rule`` (no
     model: the deterministic ``rollout.RuleSimulator`` with its default change

@@ -327,7 +327,9 @@ def make_simulator_backend(sim_cfg: SimulatorConfig, seed: int) -> "ChatBackend"
         return backends.LlamaServerBackend(
             simulator_model_path(sim_cfg), n_ctx=sim_cfg.n_ctx, parallel=sim_cfg.concurrency,
             threads=sim_cfg.n_threads or default_threads(), seed=seed,
-            timeout_s=sim_cfg.timeout_s, max_retries=sim_cfg.max_retries,
+            # the slots share the cores: a request's latency grows with the batch, and a
+            # timed-out request re-sent to a local server only doubles its work
+            timeout_s=sim_cfg.timeout_s * sim_cfg.concurrency, max_retries=sim_cfg.max_retries,
         )
     if sim_cfg.backend == "transformers":
         if sim_cfg.model == EMBEDDED_SIMULATOR:

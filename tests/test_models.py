@@ -211,3 +211,19 @@ def test_embedded_simulator_is_the_pinned_file():
     assert digest.hexdigest() == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
     with path.open("rb") as fh:
         assert fh.read(4) == b"GGUF"
+
+
+def test_managed_server_timeout_grows_with_its_slots(monkeypatch, tmp_path):
+    """A request to the local server waits for the whole batch of slots: its timeout is
+    timeout_s per dialogue in flight (16 slots x 120 s = 1920 s), not 120 s."""
+    seen = {}
+
+    class Recorder:
+        def __init__(self, path, **kwargs):
+            seen.update(kwargs, path=path)
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr("rlver_lib.backends.LlamaServerBackend", Recorder)
+    models.make_simulator_backend(SimulatorConfig(model=str(gguf), concurrency=16, timeout_s=120), seed=3)
+    assert seen["timeout_s"] == 1920 and seen["parallel"] == 16 and seen["path"] == gguf and seen["seed"] == 3
