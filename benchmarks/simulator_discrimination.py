@@ -115,12 +115,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--difficulty", choices=["easy", "moderate", "hard"], default="moderate")
     parser.add_argument("--personas", type=int, default=len(PERSONAS), help="use the first N personas")
+    parser.add_argument("--concurrency", type=int, default=8, help="server slots (appraisals decoded together)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
     cfg = SimulatorConfig(temperature=0.0, max_new_tokens=args.max_new_tokens, max_retries=0,
-                          difficulty=args.difficulty)
+                          difficulty=args.difficulty, concurrency=args.concurrency)
     backend = make_simulator_backend(cfg, args.seed)
     kinds, reqs = zip(*requests(args.personas))
     start = time.perf_counter()

@@ -301,6 +301,70 @@ def plot_length_vs_reward(dialogues: pd.DataFrame, *, hue: str | None = None) ->
     return fig
 
 
+def plot_paired_scenarios(paired: dict[str, Any]) -> Figure:
+    """Per-scenario Sentient score before and after training: one row per scenario
+    (sorted by the difference), baseline and trained final emotion joined by a line,
+    green where trained is higher; the title carries the paired mean difference with
+    its interval and p-value.  ``paired``: ``eval/paired.json``
+    (:func:`rlver_lib.evaluation.write_paired`).  Raises ``ValueError`` when it has no
+    scenario rows."""
+    rows = sorted(paired.get("scenarios") or [], key=lambda r: (r["diff"], r["scenario_id"]))
+    if not rows:
+        raise ValueError("paired comparison has no per-scenario rows")
+    fig, (ax,) = _figure(height=max(3.0, 0.3 * len(rows) + 1.2))
+    for y, row in enumerate(rows):
+        colour = "tab:green" if row["diff"] > 0 else "tab:red" if row["diff"] < 0 else "grey"
+        ax.plot([row["baseline"], row["trained"]], [y, y], color=colour, linewidth=1.5)
+    ax.scatter([r["baseline"] for r in rows], range(len(rows)), color="tab:blue", label=paired.get("baseline"), zorder=3)
+    ax.scatter([r["trained"] for r in rows], range(len(rows)), color="tab:orange", label=paired.get("trained"),
+               zorder=3)
+    ax.set_yticks(range(len(rows)), [r["scenario_id"] for r in rows])
+    ax.set(xlabel="final emotion (0-100)", title=(
+        f"trained - baseline {paired['mean_diff']:+.1f} [{paired['ci_low']:+.1f}, {paired['ci_high']:+.1f}], "
+        f"p = {paired['p_value']:.2g}, n = {paired['n_scenarios']} scenarios"))
+    ax.legend(loc="best")
+    return fig
+
+
+def reply_changes(baseline: Iterable[dict[str, Any]], trained: Iterable[dict[str, Any]], *,
+                  top: int = 8) -> dict[str, pd.DataFrame]:
+    """What changed in the policy's replies between two benchmarks of the same scenarios.
+
+    ``baseline``/``trained``: ``dialogues.jsonl`` records.  Returns ``length``: one row
+    per side with ``replies``, ``mean_chars``, ``mean_words``, ``question_share`` (share
+    of replies with a question mark) and ``distinct_2`` (:func:`distinct_n`); and
+    ``phrases``: the ``top`` word bigrams whose share of replies rose most and the
+    ``top`` that fell most (``bigram, baseline_share, trained_share, change``; shares
+    in [0, 1], a bigram counted once per reply).  Lexical only: it shows what the
+    replies say more or less often, not whether that is better.
+    """
+    sides = {"baseline": list(baseline), "trained": list(trained)}
+    replies = {side: [x.get("content") or "" for r in records for x in r.get("transcript", r.get("turns", []))
+                      if x.get("role") == "assistant"] for side, records in sides.items()}
+    length = pd.DataFrame([{
+        "side": side, "replies": len(texts),
+        "mean_chars": float(np.mean([len(t) for t in texts])) if texts else float("nan"),
+        "mean_words": float(np.mean([len(t.split()) for t in texts])) if texts else float("nan"),
+        "question_share": float(np.mean(["?" in t or "？" in t for t in texts])) if texts else float("nan"),
+        "distinct_2": distinct_n(texts, 2) if texts else float("nan"),
+    } for side, texts in replies.items()])
+    share = {}
+    for side, texts in replies.items():
+        counts: dict[str, int] = {}
+        for text in texts:
+            for gram in {" ".join(g) for g in _ngrams(_tokens(text), 2)}:
+                counts[gram] = counts.get(gram, 0) + 1
+        share[side] = {g: c / max(1, len(texts)) for g, c in counts.items()}
+    grams = sorted(set(share["baseline"]) | set(share["trained"]))
+    table = pd.DataFrame({"bigram": grams,
+                          "baseline_share": [share["baseline"].get(g, 0.0) for g in grams],
+                          "trained_share": [share["trained"].get(g, 0.0) for g in grams]})
+    table["change"] = table["trained_share"] - table["baseline_share"]
+    table = table.sort_values(["change", "bigram"], ascending=[False, True])
+    phrases = pd.concat([table.head(top), table[table["change"] < 0].tail(top)]).drop_duplicates("bigram")
+    return {"length": length, "phrases": phrases.reset_index(drop=True)}
+
+
 def plot_breakdown(breakdown: pd.DataFrame) -> Figure:
     """Sentient score per level, one horizontal bar panel per factor (the
     ``breakdown`` table of :class:`rlver_lib.evaluation.BenchmarkSummary`)."""

@@ -579,3 +579,44 @@ def test_ablation_header_lists_what_varies_per_cell(tmp_path):
                     "| `algorithm-ppo_think-true` | ppo | True | PPO, 3 step(s) | on | moderate |"]
     shared = header.split("**Models that ran (every cell).**", 1)[1]
     assert "GRPO" not in shared and "think mode" not in shared  # the base config is not passed off as every cell's
+
+
+def _bench_records(replies_by_scenario):
+    return [{"scenario_id": sid, "transcript": [x for reply in replies
+                                                for x in ({"role": "user", "content": "hi"},
+                                                          {"role": "assistant", "content": reply})]}
+            for sid, replies in replies_by_scenario.items()]
+
+
+def test_reply_changes_by_hand():
+    from rlver_lib.analysis import reply_changes
+
+    base = _bench_records({"a": ["I see.", "I see you."], "b": ["Okay then."]})
+    trained = _bench_records({"a": ["How do you feel?", "I see. How do you feel?"], "b": ["How do you feel?"]})
+    out = reply_changes(base, trained, top=3)
+    length = out["length"].set_index("side")
+    assert length.loc["baseline", "replies"] == 3 and length.loc["trained", "replies"] == 3
+    assert length.loc["baseline", "mean_chars"] == pytest.approx((6 + 10 + 10) / 3)
+    assert length.loc["trained", "mean_words"] == pytest.approx((4 + 6 + 4) / 3)
+    assert length.loc["baseline", "question_share"] == 0 and length.loc["trained", "question_share"] == 1
+    phrases = out["phrases"].set_index("bigram")
+    # "how do", "do you", "you feel" in all 3 trained replies, none before; "i see" 2/3 -> 1/3
+    assert phrases.loc["do you", "change"] == pytest.approx(1.0)
+    assert phrases.loc["i see", "baseline_share"] == pytest.approx(2 / 3)
+    assert phrases.loc["i see", "trained_share"] == pytest.approx(1 / 3)
+    assert list(out["phrases"]["change"]) == sorted(out["phrases"]["change"], reverse=True)
+
+
+def test_plot_paired_scenarios_sorted_and_titled():
+    from rlver_lib.analysis import plot_paired_scenarios
+
+    paired = {"baseline": "baseline", "trained": "trained", "mean_diff": 1.5, "ci_low": -2.0, "ci_high": 5.0,
+              "p_value": 0.5, "n_scenarios": 2,
+              "scenarios": [{"scenario_id": "x", "baseline": 40, "trained": 48, "diff": 8},
+                            {"scenario_id": "y", "baseline": 45, "trained": 40, "diff": -5}]}
+    fig = plot_paired_scenarios(paired)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["y", "x"]  # sorted by difference
+    assert ax.get_title() == "trained - baseline +1.5 [-2.0, +5.0], p = 0.5, n = 2 scenarios"
+    with pytest.raises(ValueError):
+        plot_paired_scenarios({**paired, "scenarios": []})
