@@ -315,9 +315,8 @@ def plot_paired_scenarios(paired: dict[str, Any]) -> Figure:
     for y, row in enumerate(rows):
         colour = "tab:green" if row["diff"] > 0 else "tab:red" if row["diff"] < 0 else "grey"
         ax.plot([row["baseline"], row["trained"]], [y, y], color=colour, linewidth=1.5)
-    ax.scatter([r["baseline"] for r in rows], range(len(rows)), color="tab:blue", label=paired.get("baseline"), zorder=3)
-    ax.scatter([r["trained"] for r in rows], range(len(rows)), color="tab:orange", label=paired.get("trained"),
-               zorder=3)
+    for side, colour in (("baseline", "tab:blue"), ("trained", "tab:orange")):
+        ax.scatter([r[side] for r in rows], range(len(rows)), color=colour, label=paired.get(side), zorder=3)
     ax.set_yticks(range(len(rows)), [r["scenario_id"] for r in rows])
     ax.set(xlabel="final emotion (0-100)", title=(
         f"trained - baseline {paired['mean_diff']:+.1f} [{paired['ci_low']:+.1f}, {paired['ci_high']:+.1f}], "
@@ -363,6 +362,20 @@ def reply_changes(baseline: Iterable[dict[str, Any]], trained: Iterable[dict[str
     table = table.sort_values(["change", "bigram"], ascending=[False, True])
     phrases = pd.concat([table.head(top), table[table["change"] < 0].tail(top)]).drop_duplicates("bigram")
     return {"length": length, "phrases": phrases.reset_index(drop=True)}
+
+
+def paired_report(run_dir: str | Path, *, top: int = 8) -> dict[str, Any] | None:
+    """The paired benchmark of a run for its report: ``figure``
+    (:func:`plot_paired_scenarios`), ``length`` and ``phrases``
+    (:func:`reply_changes` of the two benchmarks' replies).  ``None`` when the run has
+    no ``eval/paired.json`` (it needs a baseline and a trained benchmark)."""
+    path = Path(run_dir) / "eval" / "paired.json"
+    if not path.is_file():
+        return None
+    paired = json.loads(path.read_text(encoding="utf-8"))
+    sides = [load_records(Path(run_dir) / "eval" / paired[side] / "dialogues.jsonl")
+             for side in ("baseline", "trained")]
+    return {"figure": plot_paired_scenarios(paired), **reply_changes(*sides, top=top)}
 
 
 def plot_breakdown(breakdown: pd.DataFrame) -> Figure:
