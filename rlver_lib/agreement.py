@@ -114,10 +114,10 @@ def load_replay(paths: Sequence[str | Path]) -> tuple[list[ReplayTurn], dict[str
 def sample_turns(turns: Sequence[ReplayTurn], n: int | None, seed: int) -> list[ReplayTurn]:
     """``n`` turns drawn without replacement (``numpy.random.default_rng(seed)``), kept in
     file order; all turns when ``n`` is ``None`` or not smaller than their number."""
+    if n is not None and n < 1:
+        raise ValueError(f"sample must be >= 1, got {n}")
     if n is None or n >= len(turns):
         return list(turns)
-    if n < 1:
-        raise ValueError(f"sample must be >= 1, got {n}")
     chosen = np.sort(np.random.default_rng(seed).choice(len(turns), size=n, replace=False))
     return [turns[i] for i in chosen]
 
@@ -129,11 +129,11 @@ def sample_dialogues(turns: Sequence[ReplayTurn], n: int | None, seed: int) -> l
     re-reads a dialogue's long profile once per slot, so whole dialogues cost far less
     per turn than turns scattered over many dialogues.  Raises ``ValueError`` for n < 1.
     """
+    if n is not None and n < 1:
+        raise ValueError(f"dialogues must be >= 1, got {n}")
     names = list(dict.fromkeys(t.dialogue for t in turns))
     if n is None or n >= len(names):
         return list(turns)
-    if n < 1:
-        raise ValueError(f"dialogues must be >= 1, got {n}")
     chosen = {names[i] for i in np.random.default_rng(seed).choice(len(names), size=n, replace=False)}
     return [t for t in turns if t.dialogue in chosen]
 
@@ -183,6 +183,8 @@ def appraise_turns(simulator: Any, turns: Sequence[ReplayTurn], scenarios: dict[
                                          [dict(m) for m in turns[i].history], turns[i].emotion_before, turns[i].turn)
                         for i in batch]
             results = {r.dialogue_id: r for r in call(requests)}
+            if set(results) != {q.dialogue_id for q in requests}:
+                raise ValueError("the judge's results do not match the requested turns")
             for i, request in zip(batch, requests):
                 result = results[request.dialogue_id]
                 failed = result.error is not None or result.change is None

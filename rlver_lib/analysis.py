@@ -338,7 +338,7 @@ def reply_changes(baseline: Iterable[dict[str, Any]], trained: Iterable[dict[str
     replies say more or less often, not whether that is better.
     """
     sides = {"baseline": list(baseline), "trained": list(trained)}
-    replies = {side: [x.get("content") or "" for r in records for x in r.get("transcript", r.get("turns", []))
+    replies = {side: [x.get("content") or "" for r in records for x in (r.get("transcript") or r.get("turns") or [])
                       if x.get("role") == "assistant"] for side, records in sides.items()}
     length = pd.DataFrame([{
         "side": side, "replies": len(texts),
@@ -360,22 +360,24 @@ def reply_changes(baseline: Iterable[dict[str, Any]], trained: Iterable[dict[str
                           "trained_share": [share["trained"].get(g, 0.0) for g in grams]})
     table["change"] = table["trained_share"] - table["baseline_share"]
     table = table.sort_values(["change", "bigram"], ascending=[False, True])
-    phrases = pd.concat([table.head(top), table[table["change"] < 0].tail(top)]).drop_duplicates("bigram")
+    phrases = pd.concat([table[table["change"] > 0].head(top), table[table["change"] < 0].tail(top)])
     return {"length": length, "phrases": phrases.reset_index(drop=True)}
 
 
 def paired_report(run_dir: str | Path, *, top: int = 8) -> dict[str, Any] | None:
     """The paired benchmark of a run for its report: ``figure``
     (:func:`plot_paired_scenarios`), ``length`` and ``phrases``
-    (:func:`reply_changes` of the two benchmarks' replies).  ``None`` when the run has
-    no ``eval/paired.json`` (it needs a baseline and a trained benchmark)."""
+    (:func:`reply_changes` of the two benchmarks' replies; ``figure`` is ``None`` when
+    ``paired.json`` has no per-scenario rows).  ``None`` when the run has no
+    ``eval/paired.json`` (it needs a baseline and a trained benchmark)."""
     path = Path(run_dir) / "eval" / "paired.json"
     if not path.is_file():
         return None
     paired = json.loads(path.read_text(encoding="utf-8"))
     sides = [load_records(Path(run_dir) / "eval" / paired[side] / "dialogues.jsonl")
              for side in ("baseline", "trained")]
-    return {"figure": plot_paired_scenarios(paired), **reply_changes(*sides, top=top)}
+    figure = plot_paired_scenarios(paired) if paired.get("scenarios") else None
+    return {"figure": figure, **reply_changes(*sides, top=top)}
 
 
 def plot_breakdown(breakdown: pd.DataFrame) -> Figure:

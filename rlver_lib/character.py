@@ -20,8 +20,9 @@ from typing import Any
 
 from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION
 
-_WISH_EN = re.compile(r"\b(i|i'd|i'm)\s+(really\s+|just\s+|only\s+)?"
-                      r"(want|need|wish|would like|hope|'d like|looking for)\b", re.IGNORECASE)
+_WISH_EN = re.compile(r"\bi\s+(really\s+|just\s+|only\s+)?(want|need|wish|would like|hope)\b"
+                      r"|\bi['’]d\s+(really\s+|just\s+)?(like|love)\b"
+                      r"|\bi['’]m\s+(really\s+|just\s+|only\s+)?(looking for|hoping)\b", re.IGNORECASE)
 _WISH_ZH = re.compile(r"我(真的|只是|就)?(想要|想|希望|需要)")
 
 #: The key idea of each hidden intention, as words a leaking sentence would use.
@@ -118,7 +119,7 @@ def summarise(records: Iterable[dict[str, Any]], scenarios: dict[str, Any] | Non
         else:
             scenario = (scenarios or {})[record["scenario_id"]]
             intention, language = scenario.hidden_intention, getattr(scenario, "language", "en")
-        transcript = record.get("transcript", record.get("turns", []))
+        transcript = record.get("transcript") or record.get("turns") or []
         counts = character_breaks(transcript, intention, language)
         total["dialogues"] += 1
         for key, value in counts.items():

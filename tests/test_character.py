@@ -56,3 +56,9 @@ def test_summarise_over_records():
     total = summarise(records, {"a": S()})
     assert total == {"dialogues": 2, "user_messages": 2, "wish_leaks": 1, "assistant_voice": 1,
                      "verbatim_repeats": 0, "midrange_goodbyes": 0}
+
+
+def test_wish_phrasings_with_contractions_and_curly_apostrophes():
+    assert states_wish("I'd like some practical advice on this.", "practical_advice")
+    assert states_wish("I’m looking for some practical advice, honestly.", "practical_advice")
+    assert not states_wish("I like advice columns.", "practical_advice")  # no wish stated
