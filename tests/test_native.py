@@ -211,8 +211,9 @@ def test_training_step_with_a_dying_simulator_fails_cleanly_and_resumes(tmp_path
     from rlver_lib.trainer import Trainer, TrainerError
 
     cfg = _cfg(tmp_path, "dies", steps=2, checkpoint_every=1)
-    # step 1: 2 dialogues x (appraise + reply) = requests 1-4; request 5 (step 2) kills the server
-    backend, simulator = _flaky_simulator(tmp_path, fake_gguf, 5, monkeypatch)
+    # step 1: 2 dialogues x 1 turn, appraised only (the last turn) = requests 1-2; request 3
+    # (step 2) kills the server
+    backend, simulator = _flaky_simulator(tmp_path, fake_gguf, 3, monkeypatch)
     try:
         with pytest.raises(TrainerError, match="(?s)backend died .*SIGSEGV.*run the same command again to resume"):
             Trainer(cfg, _scenarios(2), simulator=simulator).train()
