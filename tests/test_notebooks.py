@@ -60,9 +60,10 @@ def test_report_embeds_the_expected_figures(tiny_run):
     _, _, report = tiny_run
     html = report.read_text(encoding="utf-8")
     # 01: coverage; 04 (x2): trajectory + breakdown; 03: reward curve;
-    # 06: trajectories, reward curve, success/failure, length vs reward, strategy mix and
-    # strategy/dimension panels (baseline vs trained; one training step: no over-steps plot)
-    assert html.count('src="data:image/png;base64,') == 1 + 2 * 2 + 1 + 4 + 2
+    # 06: trajectories, the per-scenario paired plot, reward curve, success/failure, length
+    # vs reward, strategy mix and strategy/dimension panels (baseline vs trained; one
+    # training step: no over-steps plot)
+    assert html.count('src="data:image/png;base64,') == 1 + 2 * 2 + 1 + 5 + 2
     for heading in ("01 · Scenario design", "04 · Evaluation", "03 · Training", "06 · Analysis",
                     "Models that ran", "What this run can and cannot show"):
         assert heading in html
