@@ -90,21 +90,30 @@ def load_replay(paths: Sequence[str | Path]) -> tuple[list[ReplayTurn], dict[str
 
     Returns ``(turns, scenarios)`` with ``scenarios`` keyed by ``ReplayTurn.dialogue``
     (profiles read by :func:`rlver_lib.scenarios.load_scenarios`, which reads SAGE
-    result files as RLVER/SAGE profiles).  Raises ``FileNotFoundError``, or
+    result files as RLVER/SAGE profiles).  A file is named by its file name, or by its
+    path as given when two files share a name.  Raises ``FileNotFoundError``,
+    ``ValueError`` for a file given twice, or
     :class:`rlver_lib.scenarios.ScenarioFileError` / :class:`rlver_lib.io.JsonlError`
     naming the file and line of a bad record.
     """
     from rlver_lib.io import iter_jsonl
     from rlver_lib.scenarios import load_scenarios
 
+    paths = [Path(p) for p in paths]
+    resolved = [p.resolve() for p in paths]
+    for i, path in enumerate(resolved):
+        if path in resolved[:i]:
+            raise ValueError(f"{paths[i]}: given twice")
+    names = [p.name for p in paths]
     turns: list[ReplayTurn] = []
     scenarios: dict[str, Any] = {}
-    for path in map(Path, paths):
+    for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file")
         by_id = {s.id: s for s in load_scenarios(path)}
+        label = path.name if names.count(path.name) == 1 else str(path)
         for _, record in iter_jsonl(path):
-            found = replay_turns(record, path.name)
+            found = replay_turns(record, label)
             for t in found:
                 scenarios[t.dialogue] = by_id[t.record_id]
             turns += found

@@ -154,6 +154,21 @@ def test_dialogue_sample_keeps_whole_dialogues():
         sample_dialogues(turns, 0, seed=0)
 
 
+def test_files_with_one_name_in_two_folders_stay_apart(tmp_path, two_file):
+    other = tmp_path / "other"
+    other.mkdir()
+    second = other / two_file.name
+    record = _dialogue("A", 70, [("c=1", 2)])  # same id and file name, another dialogue
+    second.write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
+    turns, scenarios = load_replay([two_file, second])
+    keys = [t.dialogue for t in turns]
+    assert keys == [f"{two_file}:A"] * 3 + [f"{two_file}:B"] * 2 + [f"{second}:A"]
+    assert len(scenarios) == 3
+    assert [t.emotion_before for t in turns if t.dialogue == f"{second}:A"] == [70]
+    with pytest.raises(ValueError, match="given twice"):
+        load_replay([two_file, tmp_path / ".." / tmp_path.name / two_file.name])
+
+
 def test_lane_order_one_turn_per_dialogue_per_batch_in_order(two_file):
     # dialogues A (turns 0-2), B (3-4), C (5); two lanes: A and B start, C takes B's lane
     turns = replay_turns(TWO[0], "f") + replay_turns(TWO[1], "f") + [
