@@ -1,23 +1,13 @@
-"""Shared test fixtures: reference data, the embedded policy, a real loopback OpenAI server."""
+"""Shared test fixtures: the embedded policy, a real loopback OpenAI server."""
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """The reference data folder: ``$RLVER_SHARED_DATA`` or ``../shared/data`` next to the repo."""
-    path = Path(os.environ.get("RLVER_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
-    if not path.is_dir():
-        pytest.skip(f"reference data folder not found: {path} (set RLVER_SHARED_DATA)")
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
+from reference_data import reference_file
 
 from rlver_lib.agreement import (
     agreement_metrics,
@@ -22,8 +21,6 @@ from rlver_lib.agreement import (
 from rlver_lib.cli import main
 from rlver_lib.simulator import SimulatorTurn, apply_change, mood_for
 
-SHARED = Path(os.environ.get("RLVER_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
-SAGE = SHARED / "sage_results"
 SCENE = "## 剧本背景故事\n王小云和朋友吵架了。\n####隐藏主题:\n***你希望对方用心倾听你的情绪宣泄"
 
 
@@ -184,10 +181,9 @@ def test_lane_order_one_turn_per_dialogue_per_batch_in_order(two_file):
     assert [row["judge"] for row in result["turns"]] == [2, -1, 4, -2, 10, -2]
 
 
-@pytest.mark.skipif(not SAGE.is_dir(), reason="reference data not found")
 def test_cli_rule_judge_on_stored_sage_dialogues(tmp_path, capsys):
     out = tmp_path / "agree.json"
-    gpt = SAGE / "gpt-4.1_result.jsonl"
+    gpt = reference_file("sage_results", "gpt-4.1_result.jsonl")
     code = main(["judge-agreement", str(gpt), "--set", "evaluation.judge.backend=rule",
                  "--sample", "40", "--seed", "3", "--json", str(out), "--no-progress"])
     assert code == 0

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from reference_data import rlver_test_profiles
 
 from rlver_lib import analysis as A
 from rlver_lib.backends import Generation
 from rlver_lib.evaluation import summarize
 from rlver_lib.io import atomic_write_json, write_jsonl
-
-SHARED = Path(os.environ.get("RLVER_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 
 
 def _record(did, replies, emotions, scenario_id="s0"):
@@ -440,9 +438,7 @@ def test_run_replies_reads_evaluations_and_training(runs):
 
 
 def _scenarios(n):
-    from rlver_lib.scenarios import load_scenarios
-
-    return load_scenarios(SHARED / "rlver_profiles" / "test_profile.jsonl")[:n]
+    return rlver_test_profiles(n)
 
 
 def test_injection_probes_with_rule_simulator():

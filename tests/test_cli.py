@@ -6,12 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from reference_data import reference_file
 
 from rlver_lib import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("RLVER_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 
 def rlver(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -47,9 +46,7 @@ def test_ablate_with_bad_axis_fails_before_any_cell_runs(tmp_path):
 
 
 def test_sage_score_json_matches_the_published_leaderboard():
-    path = SHARED_DATA / "sage_results" / "gpt-4.1_result.jsonl"
-    if not path.exists():
-        pytest.skip(f"reference data not found at {SHARED_DATA}")
+    path = reference_file("sage_results", "gpt-4.1_result.jsonl")
     result = rlver("sage-score", str(path), "--json")
     assert result.returncode == 0, result.stderr
     (row,) = json.loads(result.stdout)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from reference_data import reference_file, rlver_test_profiles
 
 from rlver_lib.backends import Generation, SamplingParams
 from rlver_lib.config import EvaluationConfig
@@ -22,10 +21,6 @@ from rlver_lib.evaluation import (
     summarize,
 )
 from rlver_lib.io import iter_jsonl
-
-SHARED = Path(os.environ.get("RLVER_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
-SAGE = SHARED / "sage_results"
-
 
 # --------------------------------------------------------------------------- bootstrap
 
@@ -136,14 +131,14 @@ def test_summarize_rejects_bad_input():
     ("qwen2.5-72b_result.jsonl", 19.1, 4, 70),
 ])
 def test_sage_published_figures(name, score, success, failure):
-    row = sage_score([SAGE / name]).iloc[0]
+    row = sage_score([reference_file("sage_results", name)]).iloc[0]
     assert row["n"] == 100
     assert round(row["sentient_score"], 1) == pytest.approx(score)
     assert (row["success"], row["failure"]) == (success, failure)
 
 
 def test_sage_breakdowns_sum_to_whole():
-    records = [r for _, r in iter_jsonl(SAGE / "claude3.7_result.jsonl")]
+    records = [r for _, r in iter_jsonl(reference_file("sage_results", "claude3.7_result.jsonl"))]
     s = summarize(records, n_boot=50)
     assert s.sentient_score.value == pytest.approx(54.8)
     for factor in BREAKDOWN_FACTORS:
@@ -194,10 +189,9 @@ class ScriptedPolicy:
 
 
 def test_run_benchmark_with_rule_simulator(tmp_path):
-    from rlver_lib.scenarios import load_scenarios
     from rlver_lib.simulator import RuleSimulator
 
-    scenarios = load_scenarios(SHARED / "rlver_profiles" / "test_profile.jsonl")[:3]
+    scenarios = rlver_test_profiles(3)
     modes = dict(zip([s.opening_line for s in scenarios], ["ask", "tell", "alternate"]))
     result = run_benchmark(ScriptedPolicy(modes), RuleSimulator(), scenarios,
                            EvaluationConfig(bootstrap_samples=50), sampling=SamplingParams(),
@@ -223,9 +217,7 @@ def test_run_benchmark_with_rule_simulator(tmp_path):
 
 
 def _three_scenarios():
-    from rlver_lib.scenarios import load_scenarios
-
-    return load_scenarios(SHARED / "rlver_profiles" / "test_profile.jsonl")[:3]
+    return rlver_test_profiles(3)
 
 
 def test_sage_protocol_appraises_nine_of_ten_replies(tmp_path):
@@ -257,13 +249,14 @@ def test_sage_protocol_appraises_nine_of_ten_replies(tmp_path):
 
 @pytest.mark.parametrize("name", ["gpt-4.1_result.jsonl", "claude3.7_result.jsonl", "qwen2.5-72b_result.jsonl"])
 def test_stored_sage_files_are_detected_as_sage_protocol(name, capsys):
-    records = [r for _, r in iter_jsonl(SAGE / name)]
+    path = reference_file("sage_results", name)
+    records = [r for _, r in iter_jsonl(path)]
     replies = sum(m["role"] == "assistant" for r in records for m in r["history"])
     appraised = sum(m["role"] == "user" and "planning" in m for r in records for m in r["history"])
-    row = sage_score([SAGE / name]).iloc[0]
+    row = sage_score([reference_file("sage_results", name)]).iloc[0]
     assert row["protocol"] == "sage"
     assert (row["policy_replies"], row["appraised_replies"]) == (replies, appraised)
-    assert sage_score_command([SAGE / name]) == 0
+    assert sage_score_command([path]) == 0
     assert "protocol sage" in capsys.readouterr().out
 
 
@@ -390,7 +383,7 @@ def test_evaluate_uses_the_judge_not_the_training_simulator(tmp_path, monkeypatc
         "output_root": str(tmp_path), "run_name": "r",
         # a hard LLM training simulator that must not be built: its model file does not exist
         "simulator": {"backend": "llamacpp", "model": str(tmp_path / "none.gguf"), "difficulty": "hard"},
-        "scenarios": {"test": str(SHARED / "rlver_profiles" / "test_profile.jsonl"), "limit_test": 3},
+        "scenarios": {"test": str(reference_file("rlver_profiles", "test_profile.jsonl")), "limit_test": 3},
         "evaluation": {"judge": {"backend": "rule"}, "max_turns": 4, "bootstrap_samples": 50},
         "capability": {"enabled": False},
     })

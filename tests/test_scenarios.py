@@ -5,10 +5,10 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import os
 from pathlib import Path
 
 import pytest
+from reference_data import reference_file
 
 from rlver_lib.backends import Generation
 from rlver_lib.scenarios import (
@@ -25,10 +25,6 @@ from rlver_lib.scenarios import (
     validate_command,
     validate_file,
 )
-
-SHARED_DATA = Path(os.environ.get("RLVER_SHARED_DATA",
-                                  Path(__file__).resolve().parents[1].parent / "shared" / "data"))
-PROFILES = SHARED_DATA / "rlver_profiles"
 
 # The eight fixed RLVER ``task`` sentences, keyed by our intention names (written out
 # here independently of the module's table).
@@ -70,15 +66,14 @@ def write_lines(path: Path, lines: list[str], *, bom: bool = False) -> Path:
 
 @pytest.fixture(scope="module")
 def raw_profiles() -> dict[str, list[dict]]:
-    if not PROFILES.is_dir():
-        pytest.skip(f"reference data not found at {PROFILES}")
-    return {name: [json.loads(line) for line in (PROFILES / f"{name}_profile.jsonl").read_text("utf-8").splitlines()
-                   if line.strip()] for name in ("train", "test")}
+    texts = {name: reference_file("rlver_profiles", f"{name}_profile.jsonl").read_text("utf-8")
+             for name in ("train", "test")}
+    return {name: [json.loads(line) for line in text.splitlines() if line.strip()] for name, text in texts.items()}
 
 
 @pytest.fixture(scope="module")
 def profiles(raw_profiles) -> dict[str, list[Scenario]]:
-    return {name: load_scenarios(PROFILES / f"{name}_profile.jsonl") for name in raw_profiles}
+    return {name: load_scenarios(reference_file("rlver_profiles", f"{name}_profile.jsonl")) for name in raw_profiles}
 
 
 # --------------------------------------------------------------------------- RLVER/SAGE profiles
