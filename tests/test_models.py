@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -86,25 +87,21 @@ def test_policy_model_path_passes_ids_and_folders_through():
         models.policy_model_path("embedded:nope")
 
 
-def test_conversion_round_trip_matches_gguf_logits(tmp_path, embedded_policy):
-    """Converting writes a plain safetensors folder whose logits equal the GGUF model's."""
+def test_converted_policy_matches_gguf_logits(embedded_policy):
+    """The cached conversion (made by `rlver models prepare` through convert_gguf_policy) is a
+    plain safetensors folder whose logits equal those of the GGUF model loaded directly."""
     from transformers import AutoModelForCausalLM
 
     gguf = models.smollm2_gguf_path()
-    dest = models.convert_gguf_policy(gguf, tmp_path / "smollm2")
+    dest = Path(models.policy_model_path(EMBEDDED_POLICY))
     assert (dest / "model.safetensors").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2"]  # temp folder renamed away
-    converted = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32)
-    assert getattr(converted.config, "quantization_config", None) is None
+    assert "quantization_config" not in json.loads((dest / "config.json").read_text(encoding="utf-8"))
+    converted, tokenizer = embedded_policy
     assert getattr(converted, "hf_quantizer", None) is None
     reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    _, tokenizer = embedded_policy
     ids = torch.tensor([tokenizer("Feeling low today, my friend ignored me.").input_ids])
     with torch.no_grad():
-        expected = reference(ids).logits
-        torch.testing.assert_close(converted(ids).logits, expected, atol=1e-4, rtol=0)
-        # the session's embedded policy came from the cache as well
-        torch.testing.assert_close(embedded_policy[0](ids).logits, expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(converted(ids).logits, reference(ids).logits, atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")
