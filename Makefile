@@ -39,7 +39,7 @@ doctor: native
 # its own process) whenever the native build is new: a build that does not fit the
 # CPU fails here, naming the signal, not ten minutes into the tests
 setup: native
-	@cmp -s $(VENV)/llama.cpp/build.json $(VENV)/.doctor-ok || \
+	cmp -s $(VENV)/llama.cpp/build.json $(VENV)/.doctor-ok || \
 	  { $(BIN)/rlver doctor && cp $(VENV)/llama.cpp/build.json $(VENV)/.doctor-ok; }
 
 quickstart: setup
