@@ -95,6 +95,17 @@ def smoke_simulator(binary: Path | None = None, model_path: Path | None = None,
     return SmokeResult(name, True, repr(out[0].text))
 
 
+def _amx_check(server: Path) -> str:
+    """What :func:`rlver_lib.native.amx_instruction_count` says of ``server``, in words."""
+    try:
+        count = native.amx_instruction_count(server)
+    except subprocess.CalledProcessError:
+        return "not checked (objdump cannot read it)"
+    if count is None:
+        return "not checked (objdump not installed)"
+    return f"{count} AMX instructions" + (" (can die with SIGILL where AMX is reported)" if count else "")
+
+
 def report(*, policy: bool = True, simulator: bool = True, binary: Path | None = None,
            model_path: Path | None = None, out=sys.stdout) -> int:
     """Print the health report; returns the exit status (0 all smoke tests ok, else 1)."""
@@ -113,6 +124,9 @@ def report(*, policy: bool = True, simulator: bool = True, binary: Path | None =
         match = "matches this CPU" if info.get("cmake_args") == wanted else "BUILT FOR ANOTHER CPU"
         print(f"  llama-server: {native.install_dir()} from {info.get('source')}, options "
               f"{', '.join(info.get('options', []))} ({match})", file=out)
+    server = binary or native.install_dir() / "bin" / native.BINARY
+    if server.is_file():
+        print(f"  llama-server machine code: {_amx_check(server)}", file=out)
     try:
         import torch
 

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,12 @@ _COMMON = (
     "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_OPENMP=OFF",
 )
+
+
+# the AMX instructions (Intel SDM, "AMX"): tile configuration, loads/stores and dot products
+AMX_MNEMONICS = ("ldtilecfg", "sttilecfg", "tilerelease", "tilezero", "tileloadd", "tileloaddt1",
+                 "tilestored", "tdpbssd", "tdpbsud", "tdpbusd", "tdpbuud", "tdpbf16ps", "tdpfp16ps")
+_AMX_LINE = re.compile(r"\t(?:" + "|".join(AMX_MNEMONICS) + r")(?:\s|$)")
 
 
 class NativeBuildError(RuntimeError):
@@ -139,6 +146,25 @@ def llama_server_path(root: Path | None = None) -> Path:
             f"{binary} was built for CPU options {info.get('options')} but this CPU needs "
             f"{wanted['options']}; rebuild it with `make native`")
     return binary
+
+
+def amx_instruction_count(binary: Path) -> int | None:
+    """How many AMX instructions the machine code of ``binary`` (an executable, object or
+    static library) holds, read with binutils' ``objdump -d``; ``None`` when ``objdump``
+    is not installed. A build made by :func:`build` has 0: the kernels that die with
+    SIGILL on virtual machines reporting AMX are not compiled in. Raises
+    :class:`subprocess.CalledProcessError` when ``objdump`` cannot read the file.
+    """
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        return None
+    with subprocess.Popen([objdump, "-d", "--no-show-raw-insn", str(binary)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        count = sum(1 for line in proc.stdout if _AMX_LINE.search(line))
+        stderr = proc.stderr.read()
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=stderr)
+    return count
 
 
 def _fetch_source(workdir: Path) -> Path:

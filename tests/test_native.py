@@ -58,6 +58,50 @@ def test_partial_avx512_is_not_enough():
     assert opts["GGML_AVX512"] == "OFF"
 
 
+AMX_ASM = """
+    .text
+    .globl amx_probe
+amx_probe:
+    ldtilecfg (%rdi)
+    tilezero %tmm4
+    tdpbssd %tmm2, %tmm1, %tmm0
+    tilerelease
+    vpdpbusd %zmm2, %zmm1, %zmm0
+    ret
+"""
+
+
+def test_amx_instructions_are_counted_in_machine_code(tmp_path):
+    import shutil
+    import subprocess
+
+    if not (shutil.which("as") and shutil.which("objdump")):
+        pytest.skip("binutils (as, objdump) not installed")
+    source = tmp_path / "amx.s"
+    source.write_text(AMX_ASM)
+    subprocess.run(["as", "-o", str(tmp_path / "amx.o"), str(source)], check=True)
+    assert native.amx_instruction_count(tmp_path / "amx.o") == 4  # not the AVX-512 VNNI one
+    source.write_text(AMX_ASM.split("ldtilecfg")[0] + "    ret\n")
+    subprocess.run(["as", "-o", str(tmp_path / "none.o"), str(source)], check=True)
+    assert native.amx_instruction_count(tmp_path / "none.o") == 0
+    with pytest.raises(subprocess.CalledProcessError):
+        native.amx_instruction_count(source)  # not machine code
+
+
+def test_this_machines_build_has_no_amx_code(monkeypatch):
+    import shutil
+
+    try:
+        binary = native.llama_server_path()
+    except native.NativeBuildError as err:
+        pytest.skip(str(err))
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump not installed")
+    assert native.amx_instruction_count(binary) == 0
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert native.amx_instruction_count(binary) is None
+
+
 def test_non_x86_keeps_native_detection():
     assert "-DGGML_NATIVE=ON" in native.cmake_args(frozenset({"neon"}), machine="aarch64")
 
@@ -153,6 +197,7 @@ def test_doctor_names_the_model_and_fails_on_sigill(tmp_path, fake_gguf):
     assert "smoke simulator fake-model.gguf (llama-server): FAILED" in text
     assert "killed by SIGILL" in text
     assert "llama.cpp options for this CPU" in text and "threads: OMP_NUM_THREADS=" in text
+    assert "llama-server machine code: not checked (objdump cannot read it)" in text  # a script
 
 
 def test_doctor_cli_exit_status(tmp_path, fake_gguf):
