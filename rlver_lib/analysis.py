@@ -42,6 +42,7 @@ from rlver_lib.evaluation import (
     load_records,
 )
 from rlver_lib.io import atomic_write_bytes, iter_jsonl
+from rlver_lib.rollout import record_transcript
 
 # --------------------------------------------------------------------------- tables
 
@@ -84,18 +85,12 @@ def dialogue_table(records: Iterable[dict[str, Any]], **columns: Any) -> pd.Data
     return pd.DataFrame(rows)
 
 
-def _transcript(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The user and assistant entries of one of our records (``transcript``, or ``turns``
-    in older run folders)."""
-    return record.get("transcript") or record.get("turns") or []
-
-
 def _policy_turns(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Policy turns of one of our records (transcript ``turns``): per assistant entry
     ``index`` (its position in ``turns``), ``turn`` (1-based), ``user`` (the message
     it answered), ``reply``, and from the appraisal that followed it ``change``,
     ``emotion_before`` and ``emotion`` (``None`` when it was not appraised)."""
-    turns = _transcript(record)
+    turns = record_transcript(record)
     out = []
     for i, entry in enumerate(turns):
         if entry.get("role") != "assistant":
@@ -338,8 +333,7 @@ def reply_changes(baseline: Iterable[dict[str, Any]], trained: Iterable[dict[str
     replies say more or less often, not whether that is better.
     """
     sides = {"baseline": list(baseline), "trained": list(trained)}
-    replies = {side: [x.get("content") or "" for r in records for x in (r.get("transcript") or r.get("turns") or [])
-                      if x.get("role") == "assistant"] for side, records in sides.items()}
+    replies = {side: [t["reply"] for r in records for t in _policy_turns(r)] for side, records in sides.items()}
     length = pd.DataFrame([{
         "side": side, "replies": len(texts),
         "mean_chars": float(np.mean([len(t) for t in texts])) if texts else float("nan"),
@@ -1290,7 +1284,7 @@ def requests_from_records(
         if rec["scenario_id"] not in by_id:
             raise KeyError(f"scenario {rec['scenario_id']!r} of dialogue {rec['dialogue_id']!r} not given")
         history = [{"role": e["role"], "content": e["content"]}
-                   for e in _transcript(rec)[: t["index"] + 1] if e.get("content") is not None]
+                   for e in record_transcript(rec)[: t["index"] + 1] if e.get("content") is not None]
         request = SimulatorRequest(dialogue_id=f"{rec['dialogue_id']}:{t['turn']}",
                                    scenario=by_id[rec["scenario_id"]], history=history,
                                    emotion=int(t["emotion_before"]), turn=t["turn"] - 1)

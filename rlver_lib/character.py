@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rlver_lib.rollout import record_transcript
 from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION
 
 _WISH_EN = re.compile(r"\bi\s+(really\s+|just\s+|only\s+)?(want|need|wish|would like|hope)\b"
@@ -119,8 +120,7 @@ def summarise(records: Iterable[dict[str, Any]], scenarios: dict[str, Any] | Non
         else:
             scenario = (scenarios or {})[record["scenario_id"]]
             intention, language = scenario.hidden_intention, getattr(scenario, "language", "en")
-        transcript = record.get("transcript") or record.get("turns") or []
-        counts = character_breaks(transcript, intention, language)
+        counts = character_breaks(record_transcript(record), intention, language)
         total["dialogues"] += 1
         for key, value in counts.items():
             total[key] += value

@@ -158,12 +158,14 @@ def amx_instruction_count(binary: Path) -> int | None:
     objdump = shutil.which("objdump")
     if objdump is None:
         return None
-    with subprocess.Popen([objdump, "-d", "--no-show-raw-insn", str(binary)], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:
+    with tempfile.TemporaryFile("w+") as errors, \
+            subprocess.Popen([objdump, "-d", "--no-show-raw-insn", str(binary)], stdout=subprocess.PIPE,
+                             stderr=errors, text=True) as proc:  # stderr to a file: a full pipe would block
         count = sum(1 for line in proc.stdout if _AMX_LINE.search(line))
-        stderr = proc.stderr.read()
-    if proc.returncode:
-        raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=stderr)
+        proc.wait()
+        errors.seek(0)
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=errors.read())
     return count
 
 
