@@ -9,6 +9,11 @@ SIGILL on virtual machines). The build's stamp (:func:`build_info`) records the
 features it was made for; :func:`llama_server_path` refuses a binary built for others.
 Why and how: docs/ARCHITECTURE.md ("Native build").
 
+A finished build is also kept in the user's model cache, under a folder named by the
+hash of its stamp (:func:`shared_build_dir`), so another checkout or virtual
+environment on a machine whose CPU gets the same options copies it instead of
+compiling again (7 minutes on 2 cores); a CPU that gets other options builds its own.
+
 ``python -m rlver_lib.native build`` builds it (what ``make setup`` runs);
 ``python -m rlver_lib.native cmake-args`` prints the flags for this CPU.
 """
@@ -16,6 +21,7 @@ Why and how: docs/ARCHITECTURE.md ("Native build").
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -119,6 +125,16 @@ def install_dir() -> Path:
     return Path(os.environ.get("RLVER_NATIVE_DIR") or Path(sys.prefix) / "llama.cpp")
 
 
+def shared_build_dir(args: list[str]) -> Path:
+    """The machine-wide copy of the build made with CMake ``args``:
+    ``<model cache>/llama-server/<first 16 hex digits of the stamp's sha256>``
+    (the model cache is ``$RLVER_CACHE``, else ``~/.cache/rlver``)."""
+    from rlver_lib.models import cache_dir
+
+    digest = hashlib.sha256(json.dumps(_fingerprint(args), sort_keys=True).encode()).hexdigest()
+    return cache_dir() / BINARY / digest[:16]
+
+
 def build_info(root: Path | None = None) -> dict | None:
     """The stamp of the installed build (source, machine, enabled options), or ``None``."""
     stamp = (root or install_dir()) / "build.json"
@@ -182,11 +198,13 @@ def _fetch_source(workdir: Path) -> Path:
 def build(root: Path | None = None, *, source: Path | None = None, jobs: int | None = None) -> Path:
     """Build ``llama-server`` for this CPU into ``root`` (default :func:`install_dir`).
 
-    Reuses an existing build made for the same options. ``source`` is a llama.cpp
-    folder (default: fetched from :data:`LLAMA_CPP_SOURCE`). The binary and its stamp
-    are written to a temporary folder and moved into place, so ``root`` holds a
-    complete build or none. Raises :class:`subprocess.CalledProcessError` when cmake
-    fails. Returns the binary's path.
+    Reuses an existing build made for the same options: the one in ``root``, else
+    the machine-wide copy (:func:`shared_build_dir`), which is copied in. Otherwise
+    compiles it from ``source`` (a llama.cpp folder; default: fetched from
+    :data:`LLAMA_CPP_SOURCE`) and keeps a machine-wide copy. The binary and its stamp
+    are written to a temporary folder and moved into place, so ``root`` (and the copy)
+    holds a complete build or none. Raises :class:`subprocess.CalledProcessError` when
+    cmake fails. Returns the binary's path.
     """
     root = root or install_dir()
     try:
@@ -194,6 +212,19 @@ def build(root: Path | None = None, *, source: Path | None = None, jobs: int | N
     except NativeBuildError:
         pass
     args = cmake_args(cpu_flags())
+    shared = shared_build_dir(args)
+    try:
+        llama_server_path(shared)
+    except NativeBuildError:
+        _compile(args, shared, source=source, jobs=jobs)
+    else:
+        print(f"[rlver] reusing the {BINARY} built for these CPU options in {shared}", file=sys.stderr, flush=True)
+    with atomic_directory(root) as staged:  # replaces a build for other options
+        shutil.copytree(shared, staged, dirs_exist_ok=True)
+    return llama_server_path(root)
+
+
+def _compile(args: list[str], dest: Path, *, source: Path | None, jobs: int | None) -> None:
     print(f"[rlver] building {BINARY} with {', '.join(enabled_options(args)) or 'native'} "
           f"(AMX off); this takes several minutes", file=sys.stderr, flush=True)
     jobs = jobs or os.cpu_count() or 1
@@ -203,11 +234,10 @@ def build(root: Path | None = None, *, source: Path | None = None, jobs: int | N
         out = work / "build"
         subprocess.run(["cmake", "-S", str(src), "-B", str(out), *args], check=True)
         subprocess.run(["cmake", "--build", str(out), "--target", BINARY, "-j", str(jobs)], check=True)
-        with atomic_directory(root) as staged:
+        with atomic_directory(dest) as staged:
             (staged / "bin").mkdir()
             shutil.copy2(out / "bin" / BINARY, staged / "bin" / BINARY)
             (staged / "build.json").write_text(json.dumps(_fingerprint(args), indent=1), encoding="utf-8")
-    return llama_server_path(root)
 
 
 def main(argv: list[str] | None = None) -> int:

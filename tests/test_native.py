@@ -120,6 +120,31 @@ def test_binary_built_for_another_cpu_is_refused(tmp_path):
     assert native.llama_server_path(tmp_path) == tmp_path / "bin" / native.BINARY
 
 
+def test_a_build_is_compiled_once_per_cpu_options_and_copied_to_new_environments(tmp_path, monkeypatch):
+    compiled = []
+
+    def fake_compile(args, dest, *, source, jobs):  # what _compile leaves behind, without cmake
+        compiled.append(dest)
+        (dest / "bin").mkdir(parents=True)
+        (dest / "bin" / native.BINARY).write_text("binary for " + " ".join(args))
+        (dest / "build.json").write_text(json.dumps(native._fingerprint(args)))
+
+    monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_compile", fake_compile)
+    avx512, avx2 = (native.cpu_flags(f"flags : {line}") for line in (AVX512_NO_AMX, AVX2_ONLY))
+    monkeypatch.setattr(native, "cpu_flags", lambda: avx512)
+    first = native.build(tmp_path / "venv1")
+    second = native.build(tmp_path / "venv2")  # a second checkout: copied, not compiled
+    assert len(compiled) == 1 and compiled[0].parent == tmp_path / "cache" / native.BINARY
+    assert first.read_text() == second.read_text() and second == tmp_path / "venv2" / "bin" / native.BINARY
+    # a CPU that gets other options compiles its own build, also over an environment's old one
+    monkeypatch.setattr(native, "cpu_flags", lambda: avx2)
+    third = native.build(tmp_path / "venv1")
+    assert len(compiled) == 2 and compiled[1] != compiled[0]
+    assert "-DGGML_AVX512=OFF" in third.read_text() and "-DGGML_AVX512=ON" in second.read_text()
+    assert native.build_info(tmp_path / "venv1")["options"] == native.enabled_options(native.cmake_args(avx2))
+
+
 # ---------------------------------------------------------------- crashing servers
 
 
