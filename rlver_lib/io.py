@@ -1,4 +1,5 @@
-"""Atomic file output and JSON Lines reading/writing shared by every module.
+"""Atomic file output, JSON Lines reading/writing and the user cache folder, shared by
+every module.
 
 Writes go to a temporary file in the target folder and are renamed into place,
 so an interrupted run never leaves a half-written file behind.
@@ -16,6 +17,14 @@ from typing import Any, Iterable, Iterator, Literal
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+
+
+def cache_dir() -> Path:
+    """The cache of converted models and native builds: ``$RLVER_CACHE`` if set, else
+    ``~/.cache/rlver`` (created)."""
+    root = Path(os.environ.get("RLVER_CACHE") or Path.home() / ".cache" / "rlver")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from rlver_lib.config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, ConfigError, PolicyConfig, SimulatorConfig
-from rlver_lib.io import atomic_directory
+from rlver_lib.io import atomic_directory, cache_dir
 
 if TYPE_CHECKING:
     from rlver_lib.backends import ChatBackend
@@ -47,13 +47,6 @@ _CHUNK = 8 << 20
 
 class EmbeddedModelError(RuntimeError):
     """An embedded model cannot be prepared: a package is missing or a file is corrupt."""
-
-
-def cache_dir() -> Path:
-    """The model cache: ``$RLVER_CACHE`` if set, else ``~/.cache/rlver`` (created)."""
-    root = Path(os.environ.get("RLVER_CACHE") or Path.home() / ".cache" / "rlver")
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def _progress(message: str) -> None:

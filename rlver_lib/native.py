@@ -33,7 +33,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from rlver_lib.io import atomic_directory
+from rlver_lib.io import atomic_directory, cache_dir
 
 LLAMA_CPP_SOURCE = "llama-cpp-python==0.3.36"
 BINARY = "llama-server"
@@ -129,8 +129,6 @@ def shared_build_dir(args: list[str]) -> Path:
     """The machine-wide copy of the build made with CMake ``args``:
     ``<model cache>/llama-server/<first 16 hex digits of the stamp's sha256>``
     (the model cache is ``$RLVER_CACHE``, else ``~/.cache/rlver``)."""
-    from rlver_lib.models import cache_dir
-
     digest = hashlib.sha256(json.dumps(_fingerprint(args), sort_keys=True).encode()).hexdigest()
     return cache_dir() / BINARY / digest[:16]
 
