@@ -81,9 +81,9 @@ CONFIG = SimulatorConfig(temperature=0.7, max_new_tokens=192, max_retries=0, n_c
 
 def _peak_rss_mb(pid: int) -> float:
     """Peak resident memory (VmHWM, MiB) of ``pid`` plus its live descendants."""
-    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    server = psutil.Process(pid)
     total = 0
-    for process in processes:
+    for process in (server, *server.children(recursive=True)):
         for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 total += int(line.split()[1])
@@ -106,11 +106,10 @@ def serve(path: str, *, parallel: int, threads: int, seed: int, vllm_python: str
         # dialogue's prompt (~1.5k tokens) with room for the prefixes it caches
         with VLLMServer(str(_hf_simulator()), device="cpu", dtype="bfloat16", seed=seed,
                         max_model_len=CONFIG.n_ctx, kv_cache_gb=2.0, prefix_caching=True,
-                        python=vllm_python, env={"OMP_NUM_THREADS": str(threads)}) as server:
-            client = OpenAIBackend(server.base_url, server.served_model_name, timeout_s=3600,
-                                   max_retries=0, concurrency=parallel, response_format="json_schema")
-            with client:
-                yield client, server.process.pid
+                        python=vllm_python, env={"OMP_NUM_THREADS": str(threads)}) as server, \
+                OpenAIBackend(server.base_url, server.served_model_name, timeout_s=3600, max_retries=0,
+                              concurrency=parallel, response_format="json_schema") as client:
+            yield client, server.process.pid
         return
     extra = ("--cache-ram", "0") if path == "old" else ()
     with LlamaServerBackend(simulator_gguf_path(), n_ctx=CONFIG.n_ctx, parallel=parallel, threads=threads,
