@@ -315,6 +315,19 @@ class CapabilityConfig(_Strict):
     lm_eval: LmEvalConfig = Field(default_factory=LmEvalConfig)
 
 
+class DistributedConfig(_Strict):
+    """Multi-process launches (``accelerate launch``, ``torchrun``; docs/GPU.md section 4).
+
+    ``timeout_s``: how long a collective (all-reduce, gather, barrier) waits for the
+    slowest process before the job aborts, passed to ``init_process_group`` through
+    accelerate's ``InitProcessGroupKwargs``. Processes that finished a step wait there
+    while another one's long rollout or simulator retries run, so it is an hour by
+    default, not torch's 10 minutes.
+    """
+
+    timeout_s: float = Field(3600.0, ge=60)
+
+
 class RunConfig(_Strict):
     """A whole run, as resolved and saved to ``outputs/<run_name>/config.yaml``."""
 
@@ -333,6 +346,7 @@ class RunConfig(_Strict):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     analysis: AnalysisConfig = Field(default_factory=AnalysisConfig)
     capability: CapabilityConfig = Field(default_factory=CapabilityConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @property
     def run_dir(self) -> Path:
