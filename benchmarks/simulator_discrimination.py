@@ -5,12 +5,14 @@ specifics), ``advice`` (generic advice), ``dismissive``, ``off_topic`` — appra
 once each at temperature 0 by the simulator (default: the embedded
 Qwen2.5-Coder-1.5B GGUF through llama.cpp), through ``UserSimulator.appraise``.
 
-Control: the same 24 appraisals with the change enum presented in reverse order
-(10 ... -10) in the JSON schema, so a model that picks by option position rather
-than content shows a different table.
+Control for a position bias: the same 24 appraisals with the answer options presented
+in reverse order: for the expected-value appraisal the question names "no or yes"
+instead of "yes or no"; for the sampled ones the change enum runs from +10 down. A model
+that picks by option position rather than content shows a different table.
 
-Prints mean change per reply type (both presentations), the share of valid
-structured outputs and calls/min; ``--json`` writes them.
+``--appraisal expected|sage|first_person`` chooses the mode (default: the config's).
+Prints mean change per reply type (both presentations), the share of usable outputs
+and appraisals/min; ``--json`` writes them.
 """
 
 from __future__ import annotations
@@ -19,16 +21,16 @@ import argparse
 import time
 from statistics import mean
 
-from rlver_lib.backends import SamplingParams
 from rlver_lib.config import SimulatorConfig
 from rlver_lib.io import atomic_write_json
 from rlver_lib.models import make_simulator_backend
 from rlver_lib.scenarios import Scenario
 from rlver_lib.simulator import (
-    APPRAISAL_SCHEMA,
+    SCALES,
     SimulatorError,
     SimulatorRequest,
     UserSimulator,
+    appraisal_schema,
     appraise_messages,
     parse_appraisal,
 )
@@ -86,16 +88,20 @@ def requests(n_personas: int = len(PERSONAS)) -> list[tuple[str, SimulatorReques
     return out
 
 
-def reversed_presentation(backend, cfg: SimulatorConfig, reqs, seed: int) -> list[int | None]:
-    """The control: the change enum listed from +10 down to -10."""
-    schema = {**APPRAISAL_SCHEMA, "properties": {**APPRAISAL_SCHEMA["properties"],
-              "change": {"type": "integer", "enum": list(range(10, -11, -1))}}}
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, seed=seed)
-    generations = backend.generate([appraise_messages(r, cfg.difficulty) for r in reqs], sampling, json_schema=schema)
+def reversed_presentation(backend, cfg: SimulatorConfig, reqs, seed: int) -> list[float | None]:
+    """The control: the answer options in reverse order (see the module notes)."""
+    if cfg.appraisal == "expected":
+        flipped = cfg.model_copy(update={"expected_answer_order": "no_yes"})
+        return [t.change for t in UserSimulator(backend, flipped, seed=seed).appraise(list(reqs))]
+    base = appraisal_schema(cfg.appraisal_chars, cfg.appraisal)
+    schema = {**base, "properties": {**base["properties"],
+              "change": {"type": "integer", "enum": sorted(SCALES[cfg.appraisal], reverse=True)}}}
+    generations = backend.generate([appraise_messages(r, cfg.difficulty, cfg.appraisal) for r in reqs],
+                                   cfg.sampling(seed=seed), json_schema=schema)
     changes = []
     for g in generations:
         try:
-            changes.append(parse_appraisal(g.text)["change"])
+            changes.append(parse_appraisal(g.text, SCALES[cfg.appraisal])["change"])
         except SimulatorError:
             changes.append(None)
     return changes
@@ -117,11 +123,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--personas", type=int, default=len(PERSONAS), help="use the first N personas")
     parser.add_argument("--concurrency", type=int, default=8, help="server slots (appraisals decoded together)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--appraisal", choices=["expected", "sage", "first_person"], default="expected")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
     cfg = SimulatorConfig(temperature=0.0, max_new_tokens=args.max_new_tokens, max_retries=0,
-                          difficulty=args.difficulty, concurrency=args.concurrency)
+                          difficulty=args.difficulty, concurrency=args.concurrency, appraisal=args.appraisal)
     backend = make_simulator_backend(cfg, args.seed)
     kinds, reqs = zip(*requests(args.personas))
     start = time.perf_counter()
@@ -140,7 +147,8 @@ def main(argv=None) -> dict:
         "calls_per_min": 60 * 2 * len(reqs) / total_s,
         "seconds_main": main_s,
         "per_call": [{"reply_type": k, "dialogue_id": t.dialogue_id, "change": t.change, "control": c,
-                      "inner_reaction": t.appraisal.get("inner_reaction"), "error": t.error,
+                      "inner_reaction": t.appraisal.get("inner_reaction"),
+                      "checklist": {q["key"]: q["p_yes"] for q in t.appraisal.get("checklist", [])}, "error": t.error,
                       "raw": t.raw_outputs[-1] if t.raw_outputs else None}
                      for k, t, c in zip(kinds, turns, control)],
     }
@@ -150,8 +158,8 @@ def main(argv=None) -> dict:
     for k in REPLY_TYPES:
         a, b = (_fmt(figures[key][k]) for key in ("mean_change", "mean_change_control"))
         print(f"{k:12s} {a:>12s} {b:>8s}")
-    print(f"valid structured outputs: {figures['valid_share']:.0%} (control {figures['valid_share_control']:.0%}); "
-          f"{figures['calls_per_min']:.1f} calls/min")
+    print(f"usable appraisals: {figures['valid_share']:.0%} (control {figures['valid_share_control']:.0%}); "
+          f"{figures['calls_per_min']:.1f} appraisals/min")
     return figures
 
 

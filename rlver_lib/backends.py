@@ -26,6 +26,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Literal, Protocol, Sequence, TypeVar, runtime_checkable
 
+import numpy as np
+
 from rlver_lib.config import SamplingParams  # re-exported: backends.SamplingParams
 
 log = logging.getLogger(__name__)
@@ -73,14 +75,16 @@ class BackendError(RuntimeError):
     """A backend call that failed after its bounded retries.
 
     ``results`` holds, for a batched call, the generations that did succeed
-    (``None`` where a conversation failed), so a caller can keep them;
+    (``None`` where a conversation failed), so a caller can keep them, and
+    ``errors`` why each failed one failed (``None`` where it succeeded);
     ``status`` is the HTTP status of a rejected request (HTTP backends).
     """
 
-    def __init__(self, message: str, results: list[Generation | None] | None = None,
-                 status: int | None = None):
+    def __init__(self, message: str, results: list[Any] | None = None,
+                 status: int | None = None, errors: list[str | None] | None = None):
         super().__init__(message)
         self.results = results
+        self.errors = errors
         self.status = status
 
 
@@ -177,18 +181,17 @@ def structured_batch(
                     results[i].failures.append(f"{name}: backend died: {died}")
                 continue
             conversations = [render(items[i]) if render is not None else items[i] for i in chunk]
+            problems: list[str | None] = [None] * len(chunk)
             try:
                 texts: list[str | None] = [
                     g.text for g in backend.generate(conversations, attempt_sampling, json_schema=json_schema)]
-                problem = None
             except BackendError as err:
                 if not tolerate_errors:
                     raise
+                texts, problems = _partial_results(err, len(chunk))
                 if isinstance(err, BackendDied):
                     died = str(err)
-                texts = [None] * len(chunk)
-                problem = f"backend {'died' if isinstance(err, BackendDied) else 'error'}: {err}"
-            for i, text in zip(chunk, texts):
+            for i, text, problem in zip(chunk, texts, problems):
                 result = results[i]
                 result.attempts += 1
                 reason = problem
@@ -207,6 +210,55 @@ def structured_batch(
                 still_pending.append(i)
         pending = still_pending
     return results, died
+
+
+def _partial_results(err: BackendError, n: int) -> tuple[list[str | None], list[str | None]]:
+    """``(texts, problems)`` of a batched call that raised ``err``: a request that failed
+    fails alone (its problem names why), the others keep their text. A dead backend, or an
+    error without per-request results, fails all ``n``."""
+    kind = "died" if isinstance(err, BackendDied) else "error"
+    if isinstance(err, BackendDied) or err.results is None or len(err.results) != n:
+        return [None] * n, [f"backend {kind}: {err}"] * n
+    errors = err.errors or [None] * n
+    texts = [g.text if g is not None else None for g in err.results]
+    problems = [None if g is not None else f"backend error: {e or err}" for g, e in zip(err.results, errors)]
+    return texts, problems
+
+
+# ---------------------------------------------------------------- next-token probabilities
+
+
+class NextTokenScorer(Protocol):
+    """A backend that can show its next-token distribution (the expected-value appraisal)."""
+
+    def next_token_logprobs(self, conversations: Sequence[Conversation], top_n: int = 20) -> list[dict[str, float]]:
+        """Per conversation, the ``top_n`` most likely first tokens of the assistant's answer
+        (token text -> natural-log probability under the unmodified model, temperature 1,
+        no cuts). Raises :class:`BackendError` (``errors`` per conversation) on failure."""
+        ...
+
+
+def answer_probability(top: dict[str, float], yes: Sequence[str] = ("yes",), no: Sequence[str] = ("no",)) -> float:
+    """P(yes | yes or no) from a next-token distribution ``top`` (token -> log-prob).
+
+    A token counts for an answer when, stripped of spaces and quotes and lower-cased, it is
+    one of the answer's words (``"Yes"``, ``" yes"``, ``"YES"`` all count for ``yes``);
+    their probabilities are summed. Returns a probability in [0, 1]. Raises
+    :class:`UnusableOutput` when neither answer is among the tokens.
+    """
+    import math
+
+    mass = {"yes": 0.0, "no": 0.0}
+    for token, logprob in top.items():
+        word = token.strip().strip("\"'“”‘’").lower()
+        for answer, words in (("yes", yes), ("no", no)):
+            if word in words:
+                mass[answer] += math.exp(logprob)
+    total = mass["yes"] + mass["no"]
+    if total <= 0.0:
+        shown = ", ".join(repr(t) for t in list(top)[:5])
+        raise UnusableOutput(f"neither yes nor no among the top {len(top)} next tokens ({shown})")
+    return mass["yes"] / total
 
 
 # ---------------------------------------------------------------- transformers
@@ -344,20 +396,17 @@ class TransformersBackend:
         if any(not conv for conv in conversations):
             raise ValueError("every conversation needs at least one message")
         prompts = [self.prompt_ids(conv) for conv in conversations]
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            input_ids[row, width - len(ids):] = torch.tensor(ids)
-            attention_mask[row, width - len(ids):] = 1
+        input_ids, attention_mask = self._left_padded(prompts)
+        width = input_ids.shape[1]
         greedy = sampling.temperature == 0
         kwargs: dict[str, Any] = dict(
             max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
             pad_token_id=self.pad_id, eos_token_id=list(self.eos_ids),
-            return_dict_in_generate=True, repetition_penalty=1.0,
+            return_dict_in_generate=True, repetition_penalty=sampling.repetition_penalty,
         )
         if not greedy:
-            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                          min_p=sampling.min_p or None)
         processors = LogitsProcessorList()
         recorder = None
         if self.return_logprobs:  # first, so it sees the logits before any grammar mask
@@ -388,6 +437,50 @@ class TransformersBackend:
             self._generation(prompts[row], new_tokens[row].tolist(), None if logprobs is None else logprobs[row])
             for row in range(len(prompts))
         ]
+
+    def _left_padded(self, prompts: list[list[int]]):
+        """``(input_ids, attention_mask)``, both ``[B, width]`` long tensors, padded on the left."""
+        import torch
+
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention_mask[row, width - len(ids):] = 1
+        return input_ids, attention_mask
+
+    def prompt_tokens(self, conversations: Sequence[Conversation]) -> list[int]:
+        """Prompt length in tokens per conversation (chat template and generation prompt)."""
+        return [len(self.prompt_ids(conv)) for conv in conversations]
+
+    def next_token_logprobs(self, conversations: Sequence[Conversation], top_n: int = 20) -> list[dict[str, float]]:
+        """Per conversation, the ``top_n`` most likely first answer tokens (decoded text ->
+        ``log_softmax`` of the last position's logits, temperature 1): one batched forward
+        pass over the prompts, no sampling. Tokens that decode to the same text are merged
+        (their probabilities add)."""
+        import torch
+
+        if not conversations:
+            return []
+        input_ids, attention_mask = self._left_padded([self.prompt_ids(conv) for conv in conversations])
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                logits = self.model(input_ids=input_ids.to(self.device),
+                                    attention_mask=attention_mask.to(self.device)).logits[:, -1, :]
+        finally:
+            self.model.train(was_training)
+        top = torch.log_softmax(logits.float(), dim=-1).topk(top_n, dim=-1)
+        out = []
+        for values, ids in zip(top.values.cpu().tolist(), top.indices.cpu().tolist()):
+            probs: dict[str, float] = {}
+            for value, token_id in zip(values, ids):
+                text = self.tokenizer.decode([token_id])
+                probs[text] = float(np.logaddexp(probs[text], value)) if text in probs else value
+            out.append(probs)
+        return out
 
     def _generation(self, prompt: list[int], new: list[int], logprobs: list[float] | None) -> Generation:
         end = next((i for i, tok in enumerate(new) if tok in self.eos_ids), None)
@@ -562,6 +655,37 @@ class LlamaServerBackend:
             self.check_alive()
             raise
 
+    def next_token_logprobs(self, conversations: Sequence[Conversation], top_n: int = 20) -> list[dict[str, float]]:
+        """:meth:`OpenAIBackend.next_token_logprobs` on this server (llama-server reports the
+        softmax of the raw logits, before its sampling chain). Raises :class:`BackendDied`
+        when the server is gone, :class:`BackendError` when requests fail."""
+        self.check_alive()
+        try:
+            return self.client.next_token_logprobs(conversations, top_n)
+        except BackendError:
+            time.sleep(0.2)
+            self.check_alive()
+            raise
+
+    def prompt_tokens(self, conversations: Sequence[Conversation]) -> list[int]:
+        """Prompt length in tokens per conversation, exactly as the server will see it:
+        its chat template (``POST /apply-template``), then its tokenizer (``POST /tokenize``).
+        Raises :class:`BackendError` when a request fails."""
+        self.check_alive()
+        client = self.client.client
+        root = f"http://127.0.0.1:{self.port}"
+
+        def count(conversation: Conversation) -> int:
+            prompt = client.post(f"{root}/apply-template", json={"messages": list(conversation)})
+            if prompt.status_code != 200:
+                raise BackendError(f"{root}/apply-template: HTTP {prompt.status_code}: {prompt.text[:200]}")
+            tokens = client.post(f"{root}/tokenize", json={"content": prompt.json()["prompt"]})
+            if tokens.status_code != 200:
+                raise BackendError(f"{root}/tokenize: HTTP {tokens.status_code}: {tokens.text[:200]}")
+            return len(tokens.json()["tokens"])
+
+        return self.client._each(conversations, count)
+
     def close(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s) and close the client."""
         import subprocess
@@ -612,19 +736,30 @@ class OpenAIBackend:
     ``response_format``; llama-cpp-python answers HTTP 500).
     Each conversation is sent with :func:`conversation_seed`. ``meta`` holds
     ``attempts`` and the server's ``usage``.
+
+    Sampling: every field of :class:`SamplingParams` is sent, so no server default
+    decides (``sampling_fields="all"``: ``top_k``, ``min_p``, ``repetition_penalty`` and
+    llama.cpp's name for it, ``repeat_penalty``, beside the OpenAI fields; vLLM, SGLang
+    and llama.cpp read them). ``sampling_fields="openai"`` sends only the fields of
+    OpenAI's own API (temperature, top_p, the presence / frequency penalties, seed), for
+    hosted APIs that refuse unknown fields; a non-default ``top_k``, ``min_p`` or
+    ``repetition_penalty`` then raises ``ValueError`` instead of being dropped.
     """
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
                  timeout_s: float = 120.0, max_retries: int = 2, concurrency: int = 8,
                  backoff_s: float = 0.5,
-                 response_format: Literal["auto", "json_schema", "json_object"] = "auto"):
+                 response_format: Literal["auto", "json_schema", "json_object"] = "auto",
+                 sampling_fields: Literal["all", "openai"] = "all"):
         import httpx
 
         if max_retries < 0 or concurrency < 1 or timeout_s <= 0:
             raise ValueError("need max_retries >= 0, concurrency >= 1 and timeout_s > 0")
         root = base_url.rstrip("/")
-        self.url = f"{root}/chat/completions" if root.endswith("/v1") else f"{root}/v1/chat/completions"
+        self.root = root[: -len("/v1")] if root.endswith("/v1") else root
+        self.url = f"{self.root}/v1/chat/completions"
         self.model = model
+        self.sampling_fields = sampling_fields
         self.max_retries, self.concurrency, self.backoff_s = max_retries, concurrency, backoff_s
         self._format_mode = response_format
         self._schema_style = "json_schema" if response_format == "auto" else response_format
@@ -680,13 +815,26 @@ class OpenAIBackend:
                 time.sleep(delay)
         raise BackendError(f"{self.url}: failed after {self.max_retries + 1} attempts: {cause}")
 
-    def _complete(self, conversation: Conversation, sampling: SamplingParams,
-                  json_schema: dict[str, Any] | None, seed: int | None) -> Generation:
+    def sampling_body(self, sampling: SamplingParams) -> dict[str, Any]:
+        """The sampling fields of a request body (see the class notes); ``ValueError`` when
+        ``sampling_fields="openai"`` would have to drop a non-default setting."""
         body: dict[str, Any] = {
-            "model": self.model, "messages": list(conversation),
             "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
             "max_tokens": sampling.max_new_tokens,
         }
+        extra = {"top_k": sampling.top_k, "min_p": sampling.min_p,
+                 "repetition_penalty": sampling.repetition_penalty, "repeat_penalty": sampling.repetition_penalty}
+        if self.sampling_fields == "all":
+            return {**body, **extra}
+        if (sampling.top_k, sampling.min_p, sampling.repetition_penalty) != (0, 0.0, 1.0):
+            raise ValueError(f"{self.url}: sampling_fields='openai' cannot send top_k={sampling.top_k}, "
+                             f"min_p={sampling.min_p}, repetition_penalty={sampling.repetition_penalty}")
+        return body
+
+    def _complete(self, conversation: Conversation, sampling: SamplingParams,
+                  json_schema: dict[str, Any] | None, seed: int | None) -> Generation:
+        body: dict[str, Any] = {"model": self.model, "messages": list(conversation), **self.sampling_body(sampling)}
         if seed is not None:
             body["seed"] = seed
         if json_schema is not None:
@@ -713,22 +861,69 @@ class OpenAIBackend:
         json_schema: dict[str, Any] | None = None,
     ) -> list[Generation]:
         """Send the conversations concurrently; see the class notes."""
+        return self._each(conversations, lambda conv: self._complete(
+            conv, sampling, json_schema, conversation_seed(sampling.seed, conv)))
+
+    def _each(self, conversations: Sequence[Conversation], call: Callable[[Conversation], Any]) -> list[Any]:
+        """``call`` on every conversation, ``concurrency`` at a time, results in order. A
+        request that fails fails alone: after all have finished, :class:`BackendError` is
+        raised with the others' results and each failure's reason (``results``, ``errors``)."""
         if not conversations:
             return []
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(conversations))) as pool:
-            futures = [
-                pool.submit(self._complete, conv, sampling, json_schema,
-                            conversation_seed(sampling.seed, conv))
-                for i, conv in enumerate(conversations)
-            ]
-        results: list[Generation | None] = []
-        errors = []
-        for index, future in enumerate(futures):
-            err = future.exception()
-            results.append(None if err else future.result())
-            if err:
-                errors.append(f"conversation {index}: {err}")
-        if errors:
-            raise BackendError(f"{len(errors)} of {len(futures)} requests failed; " + "; ".join(errors[:3]),
-                               results=results)
-        return results  # type: ignore[return-value]
+            futures = [pool.submit(call, conv) for conv in conversations]
+        results = [None if f.exception() else f.result() for f in futures]
+        errors = [None if f.exception() is None else str(f.exception()) for f in futures]
+        failed = [f"conversation {i}: {e}" for i, e in enumerate(errors) if e is not None]
+        if failed:
+            raise BackendError(f"{len(failed)} of {len(futures)} requests failed; " + "; ".join(failed[:3]),
+                               results=results, errors=errors)
+        return results
+
+    def next_token_logprobs(self, conversations: Sequence[Conversation], top_n: int = 20) -> list[dict[str, float]]:
+        """Per conversation, the ``top_n`` most likely first answer tokens (token text ->
+        log-prob): one request each with ``max_tokens`` 1, ``logprobs`` and ``top_logprobs``
+        (OpenAI's fields; vLLM and llama-server report the model's own distribution, before
+        any sampling cut). Greedy, no cuts, no penalties. Tokens with the same text are
+        merged (probabilities add). Raises :class:`BackendError` (per-conversation
+        ``errors``) when a request fails or its answer carries no log-probs."""
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
+
+        def score(conversation: Conversation) -> dict[str, float]:
+            body = {"model": self.model, "messages": list(conversation), **self.sampling_body(greedy),
+                    "logprobs": True, "top_logprobs": top_n}
+            data, _ = self._post(body)
+            try:
+                entries = data["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+            except (KeyError, IndexError, TypeError) as err:
+                raise BackendError(f"{self.url}: no top_logprobs in {str(data)[:300]}") from err
+            probs: dict[str, float] = {}
+            for entry in entries:
+                token, value = entry["token"], float(entry["logprob"])
+                probs[token] = float(np.logaddexp(probs[token], value)) if token in probs else value
+            return probs
+
+        return self._each(conversations, score)
+
+    def prompt_tokens(self, conversations: Sequence[Conversation]) -> list[int] | None:
+        """Prompt length in tokens per conversation (chat template applied), from vLLM's
+        ``POST /tokenize`` with ``messages``; ``None`` when the server has no such endpoint
+        (hosted APIs), after which it is not asked again."""
+        if getattr(self, "_no_tokenize", False):
+            return None
+
+        def count(conversation: Conversation) -> int:
+            response = self.client.post(f"{self.root}/tokenize", json={
+                "model": self.model, "messages": list(conversation), "add_generation_prompt": True})
+            if response.status_code != 200:
+                raise BackendError(f"{self.root}/tokenize: HTTP {response.status_code}", status=response.status_code)
+            return int(response.json()["count"])
+
+        try:
+            return self._each(conversations, count)
+        except BackendError as err:
+            if err.errors and all(e is not None for e in err.errors):
+                self._no_tokenize = True
+                log.info("%s/tokenize is not available (%s): prompt lengths are not checked", self.root, err)
+                return None
+            raise

@@ -37,13 +37,22 @@ class SamplingParams:
     :mod:`rlver_lib.backends` takes; defined here so configs can build it).
 
     ``temperature`` 0 means greedy decoding. ``seed`` makes a call reproducible
-    (backends derive per-conversation seeds from it where they can).
+    (backends derive per-conversation seeds from it where they can). Every backend
+    sends every field explicitly, so no server default decides: ``top_k`` 0 and
+    ``min_p`` 0 switch those cuts off (llama-server's own defaults, top_k 40 and
+    min_p 0.05, would drop a low-probability sign token before sampling);
+    ``repetition_penalty`` 1 and the presence / frequency penalties 0 are "none".
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 256
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 class _Strict(BaseModel):
@@ -105,6 +114,18 @@ class SimulatorConfig(_Strict):
     from the environment variable named by ``api_key_env``), or ``rule`` (no
     model: the deterministic ``rollout.RuleSimulator`` with its default change
     function; for tiny test runs and CI, not for research).
+
+    ``appraisal``: how a reply moves the emotion (docs/ARCHITECTURE.md "simulator"):
+    ``expected`` (default) asks the model a checklist of yes/no questions tied to the
+    hidden intention and reads P(yes) from its next-token distribution, a real-valued
+    change ``expected_scale * (mean P(yes) - expected_center)``, shrunk towards -10 by
+    the natural-language guard; ``sage`` samples a JSON appraisal on SAGE's scale
+    (-10, -5, 0, +5, +10) from a third-person analyser; ``first_person`` samples the
+    older first-person JSON appraisal with an integer change in [-10, 10].
+    ``expected_answer_order``: ``yes_no`` or ``no_yes``, the order the two answers are
+    named in the question (a control for a position bias). The sampling cuts
+    ``top_k``, ``min_p`` and the penalties are sent with every request
+    (:class:`SamplingParams`).
     """
 
     backend: Literal["llamacpp", "transformers", "openai", "rule"] = "llamacpp"
@@ -125,6 +146,26 @@ class SimulatorConfig(_Strict):
     # strong judges (the paper recipes do)
     appraisal_chars: int = Field(200, ge=20)
     message_chars: int = Field(400, ge=20)
+    appraisal: Literal["expected", "sage", "first_person"] = "expected"
+    expected_center: float = Field(0.75, ge=0.0, le=1.0)
+    expected_scale: float = Field(40.0, gt=0)
+    expected_answer_order: Literal["yes_no", "no_yes"] = "yes_no"
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+
+    def sampling(self, *, temperature: float | None = None, max_new_tokens: int | None = None,
+                 seed: int | None = None) -> SamplingParams:
+        """The :class:`SamplingParams` of this model's calls: every field from the config,
+        ``temperature`` / ``max_new_tokens`` overridable (e.g. 0 and 1 for a probe)."""
+        return SamplingParams(
+            temperature=self.temperature if temperature is None else temperature,
+            top_p=self.top_p, max_new_tokens=max_new_tokens or self.max_new_tokens, seed=seed,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
 
     @model_validator(mode="after")
     def _url_for_openai(self) -> "SimulatorConfig":
@@ -212,6 +253,8 @@ class JudgeConfig(SimulatorConfig):
     """
 
     seed: int | None = None
+    # SAGE's stored dialogues run to about 4-5k tokens with the judge's prompt
+    n_ctx: int = Field(8192, ge=512)
 
 
 SAGE_INITIAL_EMOTION, SAGE_POLICY_TURNS = 40, 10

@@ -169,12 +169,12 @@ class Trajectory:
     scenario_id: str
     group_id: str
     transcript: list[dict[str, Any]]
-    final_emotion: int
+    final_emotion: float
     reward: float
     termination: Termination
     samples: list[TurnSample] = field(default_factory=list)
     format_violations: int = 0
-    initial_emotion: int = 0
+    initial_emotion: float = 0
 
     def to_record(self) -> dict[str, Any]:
         """The JSON record of docs/ARCHITECTURE.md "Run folder".
@@ -215,7 +215,7 @@ class _Dialogue:
 
     dialogue_id: str
     scenario: Any
-    emotion: int
+    emotion: float
     initial_emotion: int
     history: list[dict[str, str]] = field(default_factory=list)
     transcript: list[dict[str, Any]] = field(default_factory=list)

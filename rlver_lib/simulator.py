@@ -1,22 +1,32 @@
 """The affective simulated user (the RLVER paper's SAGE-style "sentient agent"; docs/ARCHITECTURE.md "simulator").
 
 The user holds an emotion score ``e`` in [0, 100] and a mood letter (:func:`mood_for`).
-After each policy reply it makes two structured calls: *appraise* (in character: what
-the reply meant, how it fits the hidden intention, the inner reaction, and an integer
-``change`` in [-10, 10]) and *reply* (the next user message, given the appraisal and
-the new mood, with an ``end_conversation`` flag). Between the two, the update rule runs
-in code (:func:`apply_change`): ``e = clamp(e + clamp(change, -10, 10), 0, 100)``.
+After each policy reply it *appraises* the reply, the update rule runs in code
+(:func:`apply_change`: ``e = clamp(e + clamp(change, -10, 10), 0, 100)``, over real
+numbers), and it *replies* (the next user message, given the appraisal and the new
+mood, with an ``end_conversation`` flag). Three appraisal modes (``simulator.appraisal``):
 
-Each structured call is retried at most ``sim_cfg.max_retries`` times on unusable
-output (:func:`~rlver_lib.backends.structured_batch`); every raw output is recorded, and
-a turn that still fails carries ``error`` and no invented score. Only ``reply`` is
-meant for the policy. Every batched call is seeded from (simulator seed, stage, turn,
-attempt), whichever dialogues share the batch.
+- ``expected`` (default): a checklist of yes/no questions tied to the scenario's hidden
+  intention (:func:`checklist`), each answered by reading P(yes) from the model's
+  next-token distribution (one prefill, no sampling), combined into a real-valued change
+  (:func:`expected_change`). G-Eval (Liu et al., 2023) reads probabilities instead of a
+  sampled score for the same reason: a smooth, low-noise number;
+- ``sage``: a sampled JSON appraisal by a third-person analyser that looks first for
+  what does not fit the hidden intention, on SAGE's scale (-10, -5, 0, +5, +10);
+- ``first_person``: the older sampled first-person JSON appraisal, an integer in [-10, 10].
+
+Each sampled call is retried at most ``sim_cfg.max_retries`` times on unusable output
+(:func:`~rlver_lib.backends.structured_batch`); every raw output is recorded, and a turn
+that still fails carries ``error`` and no invented score. A prompt that would not fit the
+model's context is shortened by a stated rule (:func:`fit_history`) and the turn records
+how many messages were left out. Only ``reply`` is meant for the policy. Every batched
+call is seeded from (simulator seed, stage, turn, attempt), whichever dialogues share it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -26,11 +36,12 @@ from typing import Any, Callable, Literal, Sequence
 
 from rlver_lib.backends import BackendError as BackendError  # re-exported: what a failed simulator call raises
 from rlver_lib.backends import (
+    BackendDied,
     ChatBackend,
     Conversation,
-    SamplingParams,
     StructuredResult,
     UnusableOutput,
+    answer_probability,
     derive_seed,
     structured_batch,
 )
@@ -38,6 +49,7 @@ from rlver_lib.config import SimulatorConfig
 
 Mood = Literal["S", "A", "B", "C", "F"]
 Difficulty = Literal["easy", "moderate", "hard"]
+AppraisalMode = Literal["expected", "sage", "first_person"]
 
 MIN_CHANGE, MAX_CHANGE = -10, 10
 MIN_EMOTION, MAX_EMOTION = 0, 100
@@ -53,32 +65,41 @@ APPRAISAL_FIELD_CHARS = 200
 REPLY_REASONING_CHARS, MESSAGE_CHARS = 200, 400
 
 
-def appraisal_schema(field_chars: int = APPRAISAL_FIELD_CHARS) -> dict[str, Any]:
-    """JSON schema of the appraise output; text fields capped at ``field_chars`` characters."""
+#: The changes each sampled appraisal mode may give: SAGE's stored judgements use only
+#: -10, -5, 0, +5 and +10 (a polite reply that misses the hidden need is -5).
+SCALES: dict[str, tuple[int, ...]] = {
+    "sage": (-10, -5, 0, 5, 10),
+    "first_person": tuple(range(MIN_CHANGE, MAX_CHANGE + 1)),
+}
+#: Shift of ``expected_center`` (on the P(yes) scale) by difficulty: a harsh user needs a
+#: clearer "yes" for the same change, a lenient one less.
+DIFFICULTY_SHIFT: dict[str, float] = {"easy": -0.05, "moderate": 0.0, "hard": 0.05}
+
+
+def appraisal_schema(field_chars: int = APPRAISAL_FIELD_CHARS, mode: str = "first_person") -> dict[str, Any]:
+    """JSON schema of a sampled appraise output: the text fields capped at ``field_chars``
+    characters, ``change`` one of ``SCALES[mode]``. Raises ``KeyError`` for ``expected``
+    (it samples no JSON)."""
     return {
         "type": "object",
         "properties": {
             **{name: {"type": "string", "maxLength": field_chars} for name in APPRAISAL_FIELDS},
             # an enum, not minimum/maximum: some schema-to-grammar converters ignore integer bounds
-            "change": {"type": "integer", "enum": list(range(MIN_CHANGE, MAX_CHANGE + 1))},
+            "change": {"type": "integer", "enum": list(SCALES[mode])},
         },
         "required": [*APPRAISAL_FIELDS, "change"],
         "additionalProperties": False,
     }
 
 
-def reply_schema(field_chars: int = REPLY_REASONING_CHARS, message_chars: int = MESSAGE_CHARS) -> dict[str, Any]:
-    """JSON schema of the reply output (``reasoning``, ``message``, ``end_conversation``)."""
-    return {
-        "type": "object",
-        "properties": {
-            "reasoning": {"type": "string", "maxLength": field_chars},
-            "message": {"type": "string", "maxLength": message_chars},
-            "end_conversation": {"type": "boolean"},
-        },
-        "required": ["reasoning", "message", "end_conversation"],
-        "additionalProperties": False,
-    }
+def reply_schema(field_chars: int = REPLY_REASONING_CHARS, message_chars: int = MESSAGE_CHARS,
+                 *, reasoning: bool = True) -> dict[str, Any]:
+    """JSON schema of the reply output: ``reasoning`` (private notes, left out when
+    ``reasoning`` is false: after a checklist appraisal the notes add tokens, not
+    direction), ``message`` (at most ``message_chars`` characters), ``end_conversation``."""
+    fields = {"reasoning": {"type": "string", "maxLength": field_chars}} if reasoning else {}
+    fields |= {"message": {"type": "string", "maxLength": message_chars}, "end_conversation": {"type": "boolean"}}
+    return {"type": "object", "properties": fields, "required": list(fields), "additionalProperties": False}
 
 
 APPRAISAL_SCHEMA: dict[str, Any] = appraisal_schema()
@@ -115,18 +136,38 @@ def mood_for(e: float) -> Mood:
     return "F"
 
 
-def apply_change(e: int, change: int) -> tuple[int, int]:
+def apply_change(e: float, change: float) -> tuple[float, float]:
     """The emotion update rule of the RLVER paper's simulated user: returns ``(clamped_change, new_e)``.
 
     ``clamped_change`` = ``change`` clamped to [-10, 10]; ``new_e`` =
-    ``e + clamped_change`` clamped to [0, 100]. Raises ``TypeError`` when either
-    argument is not an integer (``bool`` included).
+    ``e + clamped_change`` clamped to [0, 100]. Real numbers (an expected-value change is
+    one); integers in give integers out. Raises ``TypeError`` when either argument is not
+    a real number (``bool`` included), ``ValueError`` when it is NaN.
     """
     for name, value in (("e", e), ("change", change)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a real number, got {value!r}")
+        if math.isnan(value):
+            raise ValueError(f"{name} is NaN")
     clamped = max(MIN_CHANGE, min(MAX_CHANGE, change))
     return clamped, max(MIN_EMOTION, min(MAX_EMOTION, e + clamped))
+
+
+def expected_change(p_content: Sequence[float], p_guard: float, *, center: float, scale: float) -> float:
+    """The change of an expected-value (checklist) appraisal, before the update rule's clamp.
+
+    ``p_content``: P(yes) of each content question (shape (k,), each in [0, 1]);
+    ``p_guard``: P(yes) of "is this natural language addressed to you?". The content score
+    ``s = mean(p_content)`` moves the emotion by ``scale * (s - center)`` clamped to
+    [-10, 10]; the guard then mixes in the gibberish verdict: ``p_guard * that + (1 -
+    p_guard) * (-10)``. Raises ``ValueError`` on an empty ``p_content`` or a probability
+    outside [0, 1]. This project's design (docs/ARCHITECTURE.md "simulator").
+    """
+    probs = [*p_content, p_guard]
+    if not p_content or any(not 0.0 <= p <= 1.0 for p in probs):
+        raise ValueError(f"need at least one content probability, all in [0, 1]; got {probs}")
+    content = max(MIN_CHANGE, min(MAX_CHANGE, scale * (sum(p_content) / len(p_content) - center)))
+    return p_guard * content + (1.0 - p_guard) * MIN_CHANGE
 
 
 # ---------------------------------------------------------------------------
@@ -145,7 +186,7 @@ class SimulatorRequest:
     dialogue_id: str
     scenario: Any
     history: list[dict[str, str]]
-    emotion: int
+    emotion: float
     turn: int
 
 
@@ -160,14 +201,17 @@ class SimulatorTurn:
     ended the conversation (structured flag); ``raw_outputs``: every raw model
     output of this turn, in call order; ``attempts``: number of model calls;
     ``failures``: why each failed attempt was unusable; ``error``: set when the
-    turn could not be completed within the retry budget.
+    turn could not be completed within the retry budget; ``history_dropped``: messages
+    left out of the simulator's prompt to fit its context (:func:`fit_history`).
+    Changes and emotions are real numbers with the expected-value appraisal, integers
+    with the sampled ones.
     """
 
     dialogue_id: str
-    change: int | None
-    raw_change: int | None
-    emotion_before: int
-    emotion: int
+    change: float | None
+    raw_change: float | None
+    emotion_before: float
+    emotion: float
     mood: Mood
     appraisal: dict[str, Any]
     reply: str | None
@@ -176,6 +220,7 @@ class SimulatorTurn:
     attempts: int = 0
     failures: list[str] = field(default_factory=list)
     error: str | None = None
+    history_dropped: int = 0
 
 
 # ---------------------------------------------------------------------------
@@ -233,17 +278,38 @@ def _system_prompt(scenario: Any) -> str:
 
 
 def render_transcript(history: Sequence[dict[str, str]], language: str) -> str:
-    """The visible conversation as ``Speaker: text`` lines, from the user's side."""
+    """The visible conversation as ``Speaker: text`` lines, from the user's side
+    (a ``note`` message, which :func:`fit_history` inserts, is shown as it is)."""
     vocab = _vocab(language)
     lines = []
     for message in history:
+        if message["role"] == "note":
+            lines.append(message["content"])
+            continue
         text = message["content"].strip() or vocab["empty_reply"]
         lines.append(f"{vocab['speakers'][message['role']]}: {text}")
     return "\n".join(lines)
 
 
-def appraise_messages(request: SimulatorRequest, difficulty: Difficulty) -> Conversation:
-    """Chat messages of the appraise step for one request.
+def shorten_history(history: Sequence[dict[str, str]], dropped: int, language: str) -> list[dict[str, str]]:
+    """``history`` with ``dropped`` messages after the first one left out and replaced by a
+    note saying how many: the opening message (the user's situation) and the latest
+    exchanges stay. ``dropped`` 0 returns a copy; ``ValueError`` when it would reach the
+    reply being appraised (the last message)."""
+    if dropped == 0:
+        return list(history)
+    if not 0 < dropped <= len(history) - 2:
+        raise ValueError(f"cannot leave out {dropped} of {len(history)} messages")
+    note = Template(_vocab(language)["omitted"]).substitute(n=dropped)
+    return [history[0], {"role": "note", "content": note}, *history[1 + dropped:]]
+
+
+def _exchange(user: str, scenario: Any) -> Conversation:
+    return [{"role": "system", "content": _system_prompt(scenario)}, {"role": "user", "content": user}]
+
+
+def appraise_messages(request: SimulatorRequest, difficulty: Difficulty, mode: str = "first_person") -> Conversation:
+    """Chat messages of a sampled appraise step (``mode`` ``sage`` or ``first_person``).
 
     Layout for prefix reuse: the static system prompt, then the transcript, then the
     per-call instruction with the current score, so this turn's prompt up to the end
@@ -251,41 +317,95 @@ def appraise_messages(request: SimulatorRequest, difficulty: Difficulty) -> Conv
     """
     language = scenario_language(request.scenario)
     mood = mood_for(request.emotion)
+    variant = "_sage" if mode == "sage" else ""
     user = _fill(
-        f"sim_appraise_{language}.txt",
+        f"sim_appraise{variant}_{language}.txt",
         transcript=render_transcript(request.history, language),
-        emotion=request.emotion,
+        emotion=_shown(request.emotion),
         mood=mood,
         mood_meaning=_vocab(language)["moods"][mood]["meaning"],
-        guidance=prompt_text(f"sim_difficulty_{difficulty}_{language}.txt").strip(),
+        guidance=prompt_text(f"sim_difficulty_{difficulty}{variant}_{language}.txt").strip(),
     )
-    return [
-        {"role": "system", "content": _system_prompt(request.scenario)},
-        {"role": "user", "content": user},
-    ]
+    return _exchange(user, request.scenario)
 
 
-def reply_messages(request: SimulatorRequest, appraisal: dict[str, Any], emotion: int) -> Conversation:
+def _shown(emotion: float) -> str:
+    """An emotion as a prompt shows it: a whole number."""
+    return str(int(round(emotion)))
+
+
+@dataclass(frozen=True)
+class ChecklistQuestion:
+    """One yes/no question of the expected-value appraisal: ``key`` (``on_situation``,
+    ``understood``, ``intention`` or ``guard``), ``text`` in the scenario's language, and
+    ``guard`` (True for the natural-language check)."""
+
+    key: str
+    text: str
+    guard: bool = False
+
+
+def checklist(scenario: Any) -> list[ChecklistQuestion]:
+    """The questions asked about every reply in this scenario: the generic content
+    questions, the one tied to its hidden intention, and the natural-language guard
+    (``rlver_lib/prompts/sim_checklist_<language>.json``). Raises ``KeyError`` for a
+    scenario whose ``hidden_intention`` has no question."""
+    items = _checklist(scenario_language(scenario))
+    questions = [ChecklistQuestion(key, text) for key, text in items["content"].items()]
+    questions.append(ChecklistQuestion("intention", items["intention"][scenario.hidden_intention]))
+    return [*questions, ChecklistQuestion("guard", items["guard"], guard=True)]
+
+
+@lru_cache(maxsize=None)
+def _checklist(language: str) -> dict[str, Any]:
+    return json.loads(prompt_text(f"sim_checklist_{language}.json"))
+
+
+def checklist_messages(request: SimulatorRequest, question: ChecklistQuestion,
+                       order: str = "yes_no") -> Conversation:
+    """Chat messages asking one checklist question about the request's latest reply:
+    the system prompt, the transcript, the question and the answer instruction (the two
+    answers named in ``order``, ``yes_no`` or ``no_yes``). The transcript comes first, so
+    the questions of one turn share their prompt up to it (and with the reply call)."""
+    language = scenario_language(request.scenario)
+    items = _checklist(language)
+    transcript = render_transcript(request.history, language)
+    user = (f"{_vocab(language)['transcript_intro']}\n{transcript}\n\n"
+            f"{items['header']}\n{question.text}\n{items['answer'][order]}")
+    return _exchange(user, request.scenario)
+
+
+def appraisal_notes(appraisal: dict[str, Any], language: str) -> str:
+    """The private appraisal as the reply step reads it: the sampled text fields, or each
+    checklist question with its probability of "yes"."""
+    vocab = _vocab(language)
+    if "checklist" in appraisal:
+        answers = vocab["answers"]
+        return "\n".join(f"- {q['question']} {answers['yes'] if q['p_yes'] >= 0.5 else answers['no']} "
+                         f"({q['p_yes']:.2f})" for q in appraisal["checklist"])
+    return "\n".join(f"- {label}: {appraisal[name]}" for name, label in vocab["appraisal_notes"].items())
+
+
+def reply_messages(request: SimulatorRequest, appraisal: dict[str, Any], emotion: float) -> Conversation:
     """Chat messages of the reply step, given the appraisal and the updated emotion
-    (same layout as :func:`appraise_messages`)."""
+    (same layout as :func:`appraise_messages`; the output fields named are those of
+    :func:`reply_schema`, without ``reasoning`` after a checklist appraisal)."""
     language = scenario_language(request.scenario)
     mood = mood_for(emotion)
     vocab = _vocab(language)
     user = _fill(
         f"sim_reply_{language}.txt",
         transcript=render_transcript(request.history, language),
-        **{name: appraisal[name] for name in APPRAISAL_FIELDS},
-        emotion=emotion,
+        appraisal_notes=appraisal_notes(appraisal, language),
+        emotion=_shown(emotion),
         mood=mood,
         mood_meaning=vocab["moods"][mood]["meaning"],
         mood_instruction=vocab["moods"][mood]["instruction"],
         personality_rule=vocab["personality_rules"].get(
             getattr(request.scenario, "personality", ""), vocab["personality_rule_default"]),
+        reply_fields=vocab["reply_fields"]["plain" if "checklist" in appraisal else "with_reasoning"],
     )
-    return [
-        {"role": "system", "content": _system_prompt(request.scenario)},
-        {"role": "user", "content": user},
-    ]
+    return _exchange(user, request.scenario)
 
 
 def opening_messages(scenario: Any, emotion: int) -> Conversation:
@@ -325,25 +445,27 @@ def _string_field(obj: dict[str, Any], name: str, *, allow_empty: bool = True) -
     return value.strip()
 
 
-def parse_appraisal(text: str) -> dict[str, Any]:
-    """Parse an appraise output: the three text fields and an integer ``change``.
+def parse_appraisal(text: str, scale: Sequence[int] = SCALES["first_person"]) -> dict[str, Any]:
+    """Parse a sampled appraise output: the three text fields and an integer ``change``
+    that is one of ``scale`` (default: any integer in [-10, 10]).
 
-    Raises :class:`SimulatorError` on invalid JSON, a missing or mistyped field,
-    or a change outside [-10, 10] (an out-of-range change is unusable, not clamped).
+    Raises :class:`SimulatorError` on invalid JSON, a missing or mistyped field, or a
+    change off the scale (unusable, never rounded or clamped).
     """
     obj = _json_object(text)
     appraisal: dict[str, Any] = {name: _string_field(obj, name) for name in APPRAISAL_FIELDS}
     change = obj.get("change")
     if isinstance(change, bool) or not isinstance(change, int):
         raise SimulatorError(f"field 'change' missing or not an integer: {change!r}")
-    if not MIN_CHANGE <= change <= MAX_CHANGE:
-        raise SimulatorError(f"field 'change' out of range [-10, 10]: {change}")
+    if change not in scale:
+        raise SimulatorError(f"field 'change' not on the scale {list(scale)}: {change}")
     appraisal["change"] = change
     return appraisal
 
 
-def parse_reply(text: str) -> dict[str, Any]:
-    """Parse a reply output: ``reasoning`` (private), ``message`` (non-empty), ``end_conversation`` (bool).
+def parse_reply(text: str, *, reasoning: bool = True) -> dict[str, Any]:
+    """Parse a reply output: ``reasoning`` (private; only when ``reasoning``), ``message``
+    (non-empty), ``end_conversation`` (bool).
 
     Raises :class:`SimulatorError`; a missing ``message`` is never replaced by other text.
     """
@@ -351,11 +473,10 @@ def parse_reply(text: str) -> dict[str, Any]:
     end = obj.get("end_conversation")
     if not isinstance(end, bool):
         raise SimulatorError(f"field 'end_conversation' missing or not a boolean: {end!r}")
-    return {
-        "reasoning": _string_field(obj, "reasoning"),
-        "message": _string_field(obj, "message", allow_empty=False),
-        "end_conversation": end,
-    }
+    reply = {"message": _string_field(obj, "message", allow_empty=False), "end_conversation": end}
+    if reasoning:
+        reply["reasoning"] = _string_field(obj, "reasoning")
+    return reply
 
 
 def parse_opening(text: str) -> str:
@@ -375,19 +496,28 @@ def _turn_index(requests: Sequence[SimulatorRequest]) -> int:
 class UserSimulator:
     """The LLM-played user of the RLVER paper (appraise, then reply) over any :class:`ChatBackend`.
 
-    ``sim_cfg`` gives difficulty (easy / moderate / hard prompt texts),
-    temperature, ``max_new_tokens`` and ``max_retries``; ``seed`` seeds every call.
+    ``sim_cfg`` gives the appraisal mode (see the module notes), difficulty, the
+    sampling settings (all sent: :meth:`rlver_lib.config.SimulatorConfig.sampling`),
+    ``max_new_tokens``, ``max_retries`` and ``n_ctx``; ``seed`` seeds every sampled call.
+    The ``expected`` mode needs a backend with ``next_token_logprobs``
+    (:class:`~rlver_lib.backends.NextTokenScorer`); ``TypeError`` otherwise.
 
     When the backend's process dies (:class:`~rlver_lib.backends.BackendDied`), the
     turns in flight fail at once without retries and ``fatal_error`` holds the
     reason; callers (trainer, benchmark) check it after a rollout and stop.
     """
 
+    #: top log-probs read per checklist question
+    TOP_N = 20
+
     def __init__(self, backend: ChatBackend, sim_cfg: SimulatorConfig | None = None, *, seed: int = 0):
         self.backend = backend
         self.cfg = sim_cfg or SimulatorConfig()
         self.seed = seed
         self.fatal_error: str | None = None
+        if self.cfg.appraisal == "expected" and not hasattr(backend, "next_token_logprobs"):
+            raise TypeError(f"simulator.appraisal 'expected' needs a backend with next_token_logprobs; "
+                            f"{type(backend).__name__} has none (use appraisal 'sage')")
 
     def _structured(
         self,
@@ -402,10 +532,8 @@ class UserSimulator:
 
         Returns one parsed value (``None`` if every attempt failed) and one log per conversation.
         """
-        sampling = SamplingParams(temperature=self.cfg.temperature, top_p=1.0,
-                                  max_new_tokens=self.cfg.max_new_tokens)
         results, self.fatal_error = structured_batch(
-            self.backend, conversations, schema, lambda text, _: parse(text), sampling,
+            self.backend, conversations, schema, lambda text, _: parse(text), self.cfg.sampling(),
             max_retries=self.cfg.max_retries, attempt_seed=lambda attempt: derive_seed(self.seed, stage, turn, attempt),
             name=stage, tolerate_errors=True, died=self.fatal_error)
         return [r.value for r in results], results
@@ -425,19 +553,110 @@ class UserSimulator:
                 lines[i] = line
         return lines
 
+    def _fitted(self, requests: Sequence[SimulatorRequest], render: Callable[[SimulatorRequest], Conversation],
+                new_tokens: int) -> tuple[list[SimulatorRequest], list[int], list[str | None]]:
+        """The requests with their histories shortened to fit ``n_ctx`` (:func:`fit_history`),
+        the messages dropped from each, and the reason a request cannot fit (else ``None``)."""
+        fitted, dropped, problems = list(requests), [0] * len(requests), [None] * len(requests)
+        counter = getattr(self.backend, "prompt_tokens", None)
+        if counter is None:
+            return fitted, dropped, problems
+        budget = self.cfg.n_ctx - new_tokens
+        for i, request in enumerate(requests):
+            try:
+                fitted[i], dropped[i] = fit_history(request, render, counter, budget)
+            except ContextOverflow as err:
+                problems[i] = str(err)
+        return fitted, dropped, problems
+
     def _appraise(self, requests: Sequence[SimulatorRequest]):
         for request in requests:
             if not request.history or request.history[-1]["role"] != "assistant":
                 raise ValueError(f"{request.dialogue_id}: history must end with the policy reply")
-        appraisals, logs = self._structured(
-            [appraise_messages(r, self.cfg.difficulty) for r in requests],
-            appraisal_schema(self.cfg.appraisal_chars), parse_appraisal, "appraise", _turn_index(requests),
-        )
+        mode = self.cfg.appraisal
+        if mode == "expected":
+            render = lambda r: checklist_messages(r, checklist(r.scenario)[-1], self.cfg.expected_answer_order)  # noqa: E731
+            new_tokens = 64  # one answer token, and room for the longest question of the checklist
+        else:
+            render = lambda r: appraise_messages(r, self.cfg.difficulty, mode)  # noqa: E731
+            new_tokens = self.cfg.max_new_tokens
+        fitted, dropped, problems = self._fitted(requests, render, new_tokens)
+        fits = [i for i, p in enumerate(problems) if p is None]
+        appraisals: list[Any] = [None] * len(requests)
+        logs = [StructuredResult(failures=[f"appraise: {p}"]) if p else StructuredResult() for p in problems]
+        if fits:
+            batch = [fitted[i] for i in fits]
+            if mode == "expected":
+                got, got_logs = self._checklist_appraisals(batch)
+            else:
+                got, got_logs = self._structured(
+                    [render(r) for r in batch], appraisal_schema(self.cfg.appraisal_chars, mode),
+                    lambda text: parse_appraisal(text, SCALES[mode]), "appraise", _turn_index(requests))
+            for i, value, log in zip(fits, got, got_logs):
+                appraisals[i], logs[i] = value, log
         updated = [
             apply_change(r.emotion, a["change"]) if a is not None else (None, r.emotion)
             for r, a in zip(requests, appraisals)
         ]
-        return appraisals, updated, logs
+        return fitted, dropped, appraisals, updated, logs
+
+    def _checklist_appraisals(self, requests: Sequence[SimulatorRequest]) -> tuple[list[Any], list[StructuredResult]]:
+        """The expected-value appraisal of each request: every checklist question sent in
+        one batched ``next_token_logprobs`` call, a failed request asked again at most
+        ``max_retries`` times; a request whose question stays unanswered fails."""
+        questions = [checklist(r.scenario) for r in requests]
+        items = [(i, q) for i, qs in enumerate(questions) for q in qs]
+        convs = [checklist_messages(requests[i], q, self.cfg.expected_answer_order) for i, q in items]
+        tops: list[dict[str, float] | None] = [None] * len(items)
+        logs = [StructuredResult() for _ in requests]
+        pending = list(range(len(items)))
+        for attempt in range(self.cfg.max_retries + 1):
+            if not pending or self.fatal_error:
+                break
+            try:
+                got = self.backend.next_token_logprobs([convs[k] for k in pending], self.TOP_N)
+                errors: list[str | None] = [None] * len(pending)
+            except BackendError as err:
+                if isinstance(err, BackendDied):
+                    self.fatal_error = str(err)
+                got = err.results if err.results is not None and len(err.results) == len(pending) else [None] * len(pending)
+                errors = err.errors or [str(err)] * len(pending)
+            still = []
+            for k, top, error in zip(pending, got, errors):
+                log = logs[items[k][0]]
+                log.attempts += 1
+                if top is None:
+                    log.failures.append(f"appraise attempt {attempt + 1}: {items[k][1].key}: {error}")
+                    still.append(k)
+                else:
+                    tops[k] = top
+            pending = still
+        results: list[Any] = [None] * len(requests)
+        by_request: dict[int, list[tuple[ChecklistQuestion, dict[str, float]]]] = {}
+        for (i, q), top in zip(items, tops):
+            if top is not None:
+                logs[i].raw_outputs.append(json.dumps({q.key: top}, ensure_ascii=False))
+            by_request.setdefault(i, []).append((q, top))
+        for i, answered in by_request.items():
+            if any(top is None for _, top in answered):
+                continue
+            try:
+                results[i] = self._expected(requests[i], answered)
+            except UnusableOutput as err:
+                logs[i].failures.append(f"appraise: {err}")
+        return results, logs
+
+    def _expected(self, request: SimulatorRequest,
+                  answered: list[tuple[ChecklistQuestion, dict[str, float]]]) -> dict[str, Any]:
+        """The appraisal record of one request from its answered checklist."""
+        rows = [{"key": q.key, "question": q.text, "p_yes": answer_probability(top, ("yes", "是"), ("no", "否")),
+                 "top_logprobs": top} for q, top in answered]
+        content = [row["p_yes"] for row, (q, _) in zip(rows, answered) if not q.guard]
+        guard = next(row["p_yes"] for row, (q, _) in zip(rows, answered) if q.guard)
+        center = self.cfg.expected_center + DIFFICULTY_SHIFT[self.cfg.difficulty]
+        change = expected_change(content, guard, center=center, scale=self.cfg.expected_scale)
+        return {"mode": "expected", "checklist": rows, "content_score": sum(content) / len(content),
+                "guard": guard, "center": center, "scale": self.cfg.expected_scale, "change": change}
 
     def appraise(self, requests: Sequence[SimulatorRequest]) -> list[SimulatorTurn]:
         """The appraise call and the update rule only (``reply=None``, ``goodbye`` False).
@@ -445,10 +664,10 @@ class UserSimulator:
         Same seeding as :meth:`step`, so its changes equal the ones ``step`` gives.
         Raises ``ValueError`` if a history does not end with an assistant message.
         """
-        appraisals, updated, logs = self._appraise(requests)
+        _, dropped, appraisals, updated, logs = self._appraise(requests)
         return [
-            self._turn(r, a, u, None, log, StructuredResult(), need_reply=False)
-            for r, a, u, log in zip(requests, appraisals, updated, logs)
+            self._turn(r, a, u, None, log, StructuredResult(), need_reply=False, dropped=d)
+            for r, a, u, log, d in zip(requests, appraisals, updated, logs, dropped)
         ]
 
     def step(self, requests: Sequence[SimulatorRequest]) -> list[SimulatorTurn]:
@@ -459,25 +678,28 @@ class UserSimulator:
         request, in order. Raises ``ValueError`` if a history does not end with
         an assistant message.
         """
-        appraisals, updated, appraise_logs = self._appraise(requests)
+        fitted, dropped, appraisals, updated, appraise_logs = self._appraise(requests)
         ok = [i for i, a in enumerate(appraisals) if a is not None]
         replies: list[Any] = [None] * len(requests)
         reply_logs = [StructuredResult() for _ in requests]
         if ok:
+            reasoning = self.cfg.appraisal != "expected"
             got, logs = self._structured(
-                [reply_messages(requests[i], appraisals[i], updated[i][1]) for i in ok],
-                reply_schema(self.cfg.appraisal_chars, self.cfg.message_chars), parse_reply, "reply",
-                _turn_index(requests),
+                [reply_messages(fitted[i], appraisals[i], updated[i][1]) for i in ok],
+                reply_schema(self.cfg.appraisal_chars, self.cfg.message_chars, reasoning=reasoning),
+                lambda text: parse_reply(text, reasoning=reasoning), "reply", _turn_index(requests),
             )
             for i, reply, log in zip(ok, got, logs):
                 replies[i], reply_logs[i] = reply, log
         return [
-            self._turn(r, a, u, rep, alog, rlog)
-            for r, a, u, rep, alog, rlog in zip(requests, appraisals, updated, replies, appraise_logs, reply_logs)
+            self._turn(r, a, u, rep, alog, rlog, dropped=d)
+            for r, a, u, rep, alog, rlog, d in zip(requests, appraisals, updated, replies, appraise_logs,
+                                                   reply_logs, dropped)
         ]
 
     @staticmethod
-    def _turn(request, appraisal, updated, reply, appraise_log, reply_log, *, need_reply=True) -> SimulatorTurn:
+    def _turn(request, appraisal, updated, reply, appraise_log, reply_log, *, need_reply=True,
+              dropped: int = 0) -> SimulatorTurn:
         change, emotion = updated
         error = None
         if appraisal is None:
@@ -485,7 +707,7 @@ class UserSimulator:
         elif reply is None and need_reply:
             error = "reply unusable after retries: " + "; ".join(reply_log.failures)
         private = dict(appraisal or {})
-        if reply is not None:
+        if reply is not None and "reasoning" in reply:
             private["reply_reasoning"] = reply["reasoning"]
         return SimulatorTurn(
             dialogue_id=request.dialogue_id,
@@ -501,7 +723,42 @@ class UserSimulator:
             attempts=appraise_log.attempts + reply_log.attempts,
             failures=appraise_log.failures + reply_log.failures,
             error=error,
+            history_dropped=dropped,
         )
+
+
+class ContextOverflow(UnusableOutput):
+    """A simulator prompt that does not fit the model's context even when shortened."""
+
+
+def fit_history(request: SimulatorRequest, render: Callable[[SimulatorRequest], Conversation],
+                count: Callable[[list[Conversation]], list[int] | None], budget: int) -> tuple[SimulatorRequest, int]:
+    """The request with its history shortened until ``render(request)`` is at most ``budget``
+    tokens (``count``: the backend's ``prompt_tokens``), and how many messages were left out.
+
+    The rule (:func:`shorten_history`): keep the first message (the user's opening) and
+    the reply being appraised; leave out the oldest messages after the opening, two at a
+    time (one exchange), until the prompt fits. Unchanged when ``count`` returns ``None``
+    (the server cannot count). Raises :class:`ContextOverflow` when even the opening and
+    the reply being appraised do not fit.
+    """
+    language = scenario_language(request.scenario)
+    history = request.history
+    # a byte-level tokenizer never makes more tokens than UTF-8 bytes: short prompts need no count
+    if sum(len(m["content"].encode("utf-8")) + 16 for m in render(request)) <= budget:
+        return request, 0
+    dropped = 0
+    while True:
+        candidate = request if dropped == 0 else SimulatorRequest(
+            request.dialogue_id, request.scenario, shorten_history(history, dropped, language),
+            request.emotion, request.turn)
+        counted = count([render(candidate)])
+        if counted is None or counted[0] <= budget:
+            return candidate, dropped
+        if dropped + 2 > len(history) - 2:
+            raise ContextOverflow(f"context overflow: the prompt needs {counted[0]} tokens with "
+                                  f"{dropped} message(s) left out; the budget is {budget} (raise n_ctx)")
+        dropped += 2
 
 
 # ---------------------------------------------------------------------------

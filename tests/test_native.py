@@ -241,7 +241,7 @@ def _flaky_simulator(tmp_path, fake_gguf, die_at: int, monkeypatch):
     binary = _script(tmp_path / "llama-server", FLAKY_SERVER)
     backend = LlamaServerBackend(fake_gguf, binary=binary, parallel=2, timeout_s=10,
                                  max_retries=0, startup_timeout_s=30)
-    return backend, UserSimulator(backend, SimulatorConfig(max_retries=2), seed=0)
+    return backend, UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=2), seed=0)
 
 
 def test_server_dying_mid_rollout_gives_error_trajectories(tmp_path, fake_gguf, monkeypatch):

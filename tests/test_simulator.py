@@ -99,8 +99,8 @@ def test_apply_change_clamps_change_then_emotion(e, change, expected):
     assert apply_change(e, change) == expected
 
 
-@pytest.mark.parametrize("e, change", [(50, 2.5), (50, True), ("50", 1)])
-def test_apply_change_rejects_non_integers(e, change):
+@pytest.mark.parametrize("e, change", [(50, None), (50, True), ("50", 1)])
+def test_apply_change_rejects_non_numbers(e, change):
     with pytest.raises(TypeError):
         apply_change(e, change)
 
@@ -130,8 +130,8 @@ def test_parse_appraisal_accepts_valid_and_code_fenced_output():
     ("I feel better", "invalid JSON"),
     ("[1, 2]", "JSON object"),
     (json.dumps({"reply_meaning": "a", "intention_fit": "b", "change": 2}), "inner_reaction"),
-    (appraisal_json(11), "out of range"),
-    (appraisal_json(-11), "out of range"),
+    (appraisal_json(11), "not on the scale"),
+    (appraisal_json(-11), "not on the scale"),
     (appraisal_json("5"), "not an integer"),
     (appraisal_json(True), "not an integer"),
 ])
@@ -155,7 +155,7 @@ def test_parse_reply_never_falls_back_to_reasoning():
 
 def test_step_applies_update_rule_and_records_everything():
     backend = ScriptedBackend([appraisal_json(8)], [reply_json("You get it. Thanks, bye!", end=True)])
-    sim = UserSimulator(backend, SimulatorConfig(), seed=3)
+    sim = UserSimulator(backend, SimulatorConfig(appraisal="first_person"), seed=3)
     [turn] = sim.step([request(emotion=95)])
     # 95 + 8 = 103 -> ceiling 100
     assert (turn.raw_change, turn.change, turn.emotion_before, turn.emotion, turn.mood) == (8, 8, 95, 100, "S")
@@ -172,7 +172,7 @@ def test_step_applies_update_rule_and_records_everything():
 @pytest.mark.timeout(30)
 def test_garbage_output_is_retried_then_recorded_as_error():
     backend = ScriptedBackend(["not json at all"])
-    sim = UserSimulator(backend, SimulatorConfig(max_retries=2), seed=0)
+    sim = UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=2), seed=0)
     [turn] = sim.step([request(emotion=50)])
     assert turn.attempts == 3 and turn.raw_outputs == ["not json at all"] * 3 and len(turn.failures) == 3
     assert turn.error is not None and "appraisal" in turn.error
@@ -185,14 +185,14 @@ def test_garbage_output_is_retried_then_recorded_as_error():
 @pytest.mark.timeout(30)
 def test_backend_errors_are_bounded_and_recorded():
     backend = FailingBackend()
-    [turn] = UserSimulator(backend, SimulatorConfig(max_retries=1), seed=0).step([request()])
+    [turn] = UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=1), seed=0).step([request()])
     assert backend.n_calls == 2 and turn.attempts == 2 and turn.raw_outputs == []
     assert "connection refused" in turn.error
 
 
 def test_retry_succeeds_after_an_unusable_output():
     backend = ScriptedBackend(["{broken", appraisal_json(-4)])
-    [turn] = UserSimulator(backend, SimulatorConfig(max_retries=2), seed=0).step([request(emotion=50)])
+    [turn] = UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=2), seed=0).step([request(emotion=50)])
     assert turn.error is None and turn.change == -4 and turn.emotion == 46
     assert turn.raw_outputs[0] == "{broken" and turn.attempts == 3  # 2 appraise + 1 reply
     assert turn.failures == [turn.failures[0]] and turn.failures[0].startswith("appraise attempt 1")
@@ -200,7 +200,7 @@ def test_retry_succeeds_after_an_unusable_output():
 
 def test_missing_reply_field_is_a_failure_not_a_leak():
     backend = ScriptedBackend([appraisal_json(3)], [reply_json(message=None)])
-    [turn] = UserSimulator(backend, SimulatorConfig(max_retries=2), seed=0).step([request(emotion=50)])
+    [turn] = UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=2), seed=0).step([request(emotion=50)])
     assert turn.reply is None and turn.error is not None and "reply" in turn.error
     assert turn.attempts == 1 + 3
     assert turn.change == 3 and turn.emotion == 53  # the appraisal itself was genuine
@@ -208,7 +208,7 @@ def test_missing_reply_field_is_a_failure_not_a_leak():
 
 def test_out_of_range_change_is_unusable_not_clamped():
     backend = ScriptedBackend([appraisal_json(-50)])
-    [turn] = UserSimulator(backend, SimulatorConfig(max_retries=0), seed=0).step([request(emotion=50)])
+    [turn] = UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=0), seed=0).step([request(emotion=50)])
     assert turn.attempts == 1 and turn.error is not None and turn.emotion == 50 and turn.change is None
 
 
@@ -225,16 +225,16 @@ class SeedEcho:
 
 
 def test_results_do_not_depend_on_batch_composition():
-    sim = UserSimulator(SeedEcho(), SimulatorConfig(), seed=11)
+    sim = UserSimulator(SeedEcho(), SimulatorConfig(appraisal="first_person"), seed=11)
     alone = sim.step([request("a", turn=2)])[0]
     batched = sim.step([request("b", turn=2), request("c", turn=2), request("a", turn=2)])[2]
     assert (alone.change, alone.reply, alone.raw_outputs) == (batched.change, batched.reply, batched.raw_outputs)
-    other_seed = UserSimulator(SeedEcho(), SimulatorConfig(), seed=12).step([request("a", turn=2)])[0]
+    other_seed = UserSimulator(SeedEcho(), SimulatorConfig(appraisal="first_person"), seed=12).step([request("a", turn=2)])[0]
     assert other_seed.raw_outputs != alone.raw_outputs
 
 
 def test_appraise_only_matches_step_and_has_no_reply():
-    sim = UserSimulator(SeedEcho(), SimulatorConfig(), seed=5)
+    sim = UserSimulator(SeedEcho(), SimulatorConfig(appraisal="first_person"), seed=5)
     only = sim.appraise([request("a")])[0]
     full = sim.step([request("a")])[0]
     assert only.reply is None and only.goodbye is False and only.error is None
@@ -244,7 +244,7 @@ def test_appraise_only_matches_step_and_has_no_reply():
 def test_prompts_follow_language_and_difficulty():
     backend = ScriptedBackend([appraisal_json(1)])
     for difficulty in ("easy", "hard"):
-        UserSimulator(backend, SimulatorConfig(difficulty=difficulty), seed=0).step([request(language="zh")])
+        UserSimulator(backend, SimulatorConfig(appraisal="first_person", difficulty=difficulty), seed=0).step([request(language="zh")])
     easy, hard = backend.calls[0][0][0], backend.calls[2][0][0]
     assert "你正在扮演" in easy[0]["content"] and "评估助手的最新回复" in easy[1]["content"]
     assert "宽容" in easy[1]["content"] and "拿不准时，选择负的变化" in hard[1]["content"]
@@ -258,16 +258,16 @@ def test_history_must_end_with_policy_reply():
     bad = request()
     bad.history = bad.history[:1]
     with pytest.raises(ValueError, match="policy reply"):
-        UserSimulator(ScriptedBackend([appraisal_json(1)]), seed=0).step([bad])
+        UserSimulator(ScriptedBackend([appraisal_json(1)]), SimulatorConfig(appraisal="first_person"), seed=0).step([bad])
 
 
 def test_opening_lines_given_generated_or_none():
     given, missing = scenario("g"), scenario("m", opening_line=None)
     backend = ScriptedBackend([appraisal_json(0)], opening=['{"message": "Can we talk?"}'])
-    assert UserSimulator(backend, seed=0).opening_lines([given, missing]) == ["I had a rough day.", "Can we talk?"]
+    assert UserSimulator(backend, SimulatorConfig(appraisal="first_person"), seed=0).opening_lines([given, missing]) == ["I had a rough day.", "Can we talk?"]
     assert len(backend.calls) == 1 and len(backend.calls[0][0]) == 1  # only the missing one is generated
     broken = ScriptedBackend([appraisal_json(0)], opening=['{"text": "wrong field"}'])
-    assert UserSimulator(broken, SimulatorConfig(max_retries=1), seed=0).opening_lines([missing]) == [None]
+    assert UserSimulator(broken, SimulatorConfig(appraisal="first_person", max_retries=1), seed=0).opening_lines([missing]) == [None]
     assert len(broken.calls) == 2
 
 
@@ -342,8 +342,189 @@ def test_field_caps_are_settings():
                 out = {"reasoning": "x", "message": "ok", "end_conversation": False}
             return [Generation(text=json.dumps(out)) for _ in conversations]
 
-    cfg = SimulatorConfig(appraisal_chars=900, message_chars=1500)
+    cfg = SimulatorConfig(appraisal="first_person", appraisal_chars=900, message_chars=1500)
     UserSimulator(Recording(), cfg).step([request()])
     assert sent[0] == appraisal_schema(900)
     assert sent[0]["properties"]["reply_meaning"]["maxLength"] == 900
     assert sent[1]["properties"]["message"]["maxLength"] == 1500
+
+
+# --------------------------------------------------------------------------- expected-value appraisal
+
+import math  # noqa: E402
+
+from rlver_lib.backends import BackendError as _BackendError  # noqa: E402
+from rlver_lib.backends import UnusableOutput, answer_probability  # noqa: E402
+from rlver_lib.simulator import (  # noqa: E402
+    checklist,
+    checklist_messages,
+    expected_change,
+    fit_history,
+    shorten_history,
+)
+
+EXPECTED = SimulatorConfig(appraisal="expected", expected_center=0.6, expected_scale=50.0)
+
+
+class ScriptedScorer(ScriptedBackend):
+    """A next-token scorer: P(yes) per question from ``p_yes[key]``, read off the question
+    text (the checklist's wording), as log-probs over "Yes" / " no" / "The" tokens."""
+
+    def __init__(self, p_yes: dict[str, float], fail: set[str] = frozenset(), reply=None):
+        super().__init__([appraisal_json(0)], reply or [json.dumps({"message": "Hm.", "end_conversation": False})])
+        self.p_yes, self.fail, self.scored = p_yes, fail, []
+
+    def next_token_logprobs(self, conversations, top_n=20):
+        out, errors = [], []
+        for conv in conversations:
+            key = next(k for k, q in self._questions.items() if q in conv[-1]["content"])
+            self.scored.append((key, conv))
+            if key in self.fail:
+                out.append(None)
+                errors.append(f"HTTP 400: {key} too long")
+                continue
+            p = self.p_yes[key]
+            # 10 % of the mass on an unrelated token: P(yes | yes or no) must renormalise it away
+            top = {"Yes": 0.9 * p, " no": 0.9 * (1 - p), "The": 0.1}
+            out.append({token: math.log(q) for token, q in top.items() if q > 0})
+            errors.append(None)
+        if any(e for e in errors):
+            raise _BackendError("some failed", results=out, errors=errors)
+        return out
+
+    def bind(self, scenario_):
+        self._questions = {q.key: q.text for q in checklist(scenario_)}
+        return self
+
+
+def test_answer_probability_sums_variants_and_renormalises():
+    top = {"Yes": math.log(0.5), " yes": math.log(0.1), "No": math.log(0.2), "Maybe": math.log(0.2)}
+    assert answer_probability(top) == pytest.approx(0.6 / 0.8)
+    with pytest.raises(UnusableOutput, match="neither yes nor no"):
+        answer_probability({"Maybe": 0.0})
+
+
+def test_expected_change_by_hand():
+    # s = (0.9 + 0.7) / 2 = 0.8; 50 * (0.8 - 0.6) = 10 (at the cap); guard 0.9: 0.9 * 10 + 0.1 * -10 = 8
+    assert expected_change([0.9, 0.7], 0.9, center=0.6, scale=50.0) == pytest.approx(8.0)
+    # below the center: 50 * (0.5 - 0.6) = -5; guard 1: -5
+    assert expected_change([0.5], 1.0, center=0.6, scale=50.0) == pytest.approx(-5.0)
+    # gibberish: guard 0 -> -10 whatever the content
+    assert expected_change([1.0], 0.0, center=0.6, scale=50.0) == pytest.approx(-10.0)
+    with pytest.raises(ValueError):
+        expected_change([], 0.5, center=0.6, scale=50.0)
+    with pytest.raises(ValueError):
+        expected_change([1.2], 0.5, center=0.6, scale=50.0)
+
+
+def test_apply_change_over_real_numbers():
+    assert apply_change(40.0, -3.25) == (-3.25, 36.75)
+    assert apply_change(99.5, 7.5) == (7.5, 100)
+    assert apply_change(3, -12.5) == (-10, 0)
+    with pytest.raises(ValueError):
+        apply_change(50, float("nan"))
+
+
+def test_checklist_has_the_intention_question_and_the_guard():
+    questions = checklist(scenario())
+    assert [q.key for q in questions] == ["on_situation", "understood", "intention", "guard"]
+    assert "not at fault" in questions[2].text and questions[-1].guard
+    zh = checklist(scenario(language="zh"))
+    assert "没有错" in zh[2].text
+
+
+def test_expected_appraisal_reads_probabilities_and_updates_by_hand():
+    sc = scenario()
+    backend = ScriptedScorer({"on_situation": 0.8, "understood": 0.7, "intention": 0.9, "guard": 0.95}).bind(sc)
+    [turn] = UserSimulator(backend, EXPECTED, seed=0).step([request(emotion=50)])
+    # s = 0.8; 50 * (0.8 - 0.6) = 10; 0.95 * 10 + 0.05 * -10 = 9.0
+    assert turn.change == pytest.approx(9.0) and turn.emotion == pytest.approx(59.0)
+    assert turn.appraisal["content_score"] == pytest.approx(0.8)
+    rows = {r["key"]: r for r in turn.appraisal["checklist"]}
+    assert rows["intention"]["p_yes"] == pytest.approx(0.9) and "Yes" in rows["intention"]["top_logprobs"]
+    # the whole distribution is kept, in the raw outputs too; four questions in one batched call
+    assert len(backend.scored) == 4 and len(turn.raw_outputs) == 5  # 4 distributions + the reply
+    # after a checklist the reply schema has no reasoning field and its prompt shows the answers
+    reply_call = backend.calls[-1]
+    assert "reasoning" not in reply_call[2]["properties"]
+    assert "(0.90)" in reply_call[0][0][1]["content"]
+    assert turn.reply == "Hm." and turn.error is None
+
+
+def test_expected_appraisal_difficulty_moves_the_center():
+    sc = scenario()
+    probs = {"on_situation": 0.62, "understood": 0.62, "intention": 0.62, "guard": 1.0}
+    changes = {d: UserSimulator(ScriptedScorer(probs).bind(sc), EXPECTED.model_copy(update={"difficulty": d}),
+                                seed=0).appraise([request()])[0].change for d in ("easy", "moderate", "hard")}
+    # 50 * (0.62 - (0.6 + shift)): easy +3.5, moderate +1, hard -1.5
+    assert changes == pytest.approx({"easy": 3.5, "moderate": 1.0, "hard": -1.5})
+
+
+def test_expected_appraisal_failed_question_fails_only_its_turn():
+    a, b = request("a"), request("b", reply="Whatever.")
+    backend = ScriptedScorer({"on_situation": 0.8, "understood": 0.7, "intention": 0.9, "guard": 1.0})
+    backend._questions = {q.key: q.text for q in checklist(a.scenario)}
+    # b's history is longer than a's: fail only b's questions by failing on its reply text
+    original = backend.next_token_logprobs
+
+    def flaky(conversations, top_n=20):
+        results = original([c for c in conversations if "Whatever." not in c[-1]["content"]], top_n)
+        it = iter(results)
+        out = [None if "Whatever." in c[-1]["content"] else next(it) for c in conversations]
+        errors = [None if r is not None else "HTTP 400: context" for r in out]
+        if any(errors):
+            raise _BackendError("one failed", results=out, errors=errors)
+        return out
+
+    backend.next_token_logprobs = flaky
+    turns = UserSimulator(backend, EXPECTED.model_copy(update={"max_retries": 1}), seed=0).appraise([a, b])
+    assert turns[0].error is None and turns[0].change == pytest.approx(10.0)
+    assert turns[1].change is None and "HTTP 400: context" in turns[1].error
+    assert turns[1].attempts == 8  # four questions, each sent twice (one retry)
+
+
+def test_expected_mode_refuses_a_backend_without_logprobs():
+    with pytest.raises(TypeError, match="next_token_logprobs"):
+        UserSimulator(ScriptedBackend([appraisal_json(0)]), SimulatorConfig(appraisal="expected"))
+
+
+def test_sage_mode_uses_sages_scale():
+    backend = ScriptedBackend([appraisal_json(3), appraisal_json(-5)], [reply_json()])
+    [turn] = UserSimulator(backend, SimulatorConfig(appraisal="sage", max_retries=1), seed=0).step([request()])
+    assert backend.calls[0][2]["properties"]["change"]["enum"] == [-10, -5, 0, 5, 10]
+    # +3 is off SAGE's scale: unusable, asked again, the -5 is kept
+    assert turn.change == -5 and "not on the scale" in turn.failures[0]
+
+
+def test_fit_history_leaves_out_oldest_exchanges_and_counts_them():
+    history = [{"role": "user", "content": "opening"}]
+    for k in range(4):
+        history += [{"role": "assistant", "content": f"reply {k} " + "x" * 400},
+                    {"role": "user", "content": f"user {k} " + "y" * 400}]
+    history.append({"role": "assistant", "content": "last reply"})
+    req = SimulatorRequest("d", scenario(), history, 50, 4)
+    render = lambda r: [{"role": "user", "content": "\n".join(m["content"] for m in r.history)}]  # noqa: E731
+    count = lambda convs: [len(c[0]["content"]) for c in convs]  # noqa: E731  one "token" per character
+    fitted, dropped = fit_history(req, render, count, budget=1500)
+    # 3,277 characters; 4 exchanges of 815: three must go (1,647 > 1,500 after two)
+    assert dropped == 6
+    assert fitted.history[0]["content"] == "opening" and fitted.history[-1]["content"] == "last reply"
+    assert "6 earlier messages" in fitted.history[1]["content"] and fitted.history[2]["content"].startswith("reply 3")
+    assert count([render(fitted)])[0] <= 1500
+    with pytest.raises(Exception, match="context overflow"):
+        fit_history(req, render, count, budget=20)
+    assert shorten_history(history, 0, "en") == history
+
+
+def test_checklist_questions_share_the_transcript_prefix_with_the_reply_call():
+    from rlver_lib.simulator import reply_messages
+
+    req = request()
+    first, last = (checklist_messages(req, q) for q in (checklist(req.scenario)[0], checklist(req.scenario)[-1]))
+    reply = reply_messages(req, {"reply_meaning": "m", "intention_fit": "f", "inner_reaction": "r"}, 55)
+    end = first[1]["content"].index("That sounds hard.") + len("That sounds hard.")
+    prefix = first[1]["content"][:end]
+    assert last[1]["content"].startswith(prefix) and reply[1]["content"].startswith(prefix)
+    assert first[0] == reply[0]
+    assert "yes or no" in first[1]["content"] and "no or yes" in checklist_messages(req, checklist(req.scenario)[0],
+                                                                                    "no_yes")[1]["content"]
