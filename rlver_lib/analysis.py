@@ -37,12 +37,12 @@ from rlver_lib.backends import ChatBackend, SamplingParams, structured_batch
 from rlver_lib.evaluation import (
     FAILURE_EMOTION,
     SUCCESS_EMOTION,
-    bootstrap_ci,
     dialogue_view,
     load_records,
 )
 from rlver_lib.io import atomic_write_bytes, iter_jsonl
 from rlver_lib.rollout import record_transcript
+from rlver_lib.stats import cluster_bootstrap_ci
 
 # --------------------------------------------------------------------------- tables
 
@@ -196,19 +196,44 @@ def curve_with_ci(
     value: str,
     by: Sequence[str] = ("run", "step"),
     *,
+    cluster: str = "scenario_id",
     n_boot: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
 ) -> pd.DataFrame:
-    """Mean of ``value`` per group ``by`` with a bootstrap band: columns ``*by, mean,
-    low, high, n`` (via :func:`rlver_lib.evaluation.bootstrap_ci`)."""
+    """The training curve: mean of ``value`` per group ``by`` with a band clustered by scenario.
+
+    ``df`` has one row per dialogue (e.g. :func:`load_training_dialogues`) with the
+    columns ``by``, ``value`` (e.g. ``reward`` in [0, 1] or ``final_emotion`` in
+    points) and ``cluster``.  GRPO's replicas of a scenario share its id and are not
+    independent, so each group's band resamples whole scenarios
+    (:func:`rlver_lib.stats.cluster_bootstrap_ci`: the mean of all dialogues of the
+    drawn scenarios, ``n_boot`` resamples, the ``(1-confidence)/2`` and
+    ``(1+confidence)/2`` percentiles, every group seeded ``seed`` so a group's band does
+    not depend on the other groups).  With a single scenario in a group the band is
+    the point itself: a curve over one scenario carries no between-scenario evidence.
+    This is the only curve function; notebooks 03, 05 and 06 plot it with
+    :func:`plot_curves`.
+
+    Returns columns ``*by, mean, low, high, n, n_clusters`` (``n`` dialogues,
+    ``n_clusters`` distinct scenarios), groups sorted.  Raises ``KeyError`` naming
+    missing columns and ``ValueError`` when a row has no ``cluster`` label.
+    """
+    by = list(by)
+    missing = [c for c in (*by, value, cluster) if c not in df.columns]
+    if missing:
+        raise KeyError(f"curve_with_ci: missing column(s) {missing}")
+    unlabelled = int(df[cluster].isna().sum())
+    if unlabelled:
+        raise ValueError(f"curve_with_ci: {unlabelled} row(s) without a {cluster!r}: the band resamples scenarios")
     rows = []
-    for keys, group in df.groupby(list(by), sort=True):
-        est = bootstrap_ci(group[value].to_numpy(dtype=float), n_boot=n_boot,
-                           confidence=confidence, seed=seed)
-        rows.append({**dict(zip(by, keys)), "mean": est.value, "low": est.low,
-                     "high": est.high, "n": len(group)})
-    return pd.DataFrame(rows)
+    for keys, group in df.groupby(by, sort=True):
+        keys = keys if isinstance(keys, tuple) else (keys,)
+        est = cluster_bootstrap_ci(group[value].to_numpy(dtype=float), group[cluster].tolist(),
+                                   n_boot=n_boot, confidence=confidence, seed=seed)
+        rows.append({**dict(zip(by, keys)), "mean": est.value, "low": est.low, "high": est.high,
+                     "n": len(group), "n_clusters": int(group[cluster].nunique())})
+    return pd.DataFrame(rows, columns=[*by, "mean", "low", "high", "n", "n_clusters"])
 
 
 def rates_over_training(dialogues: pd.DataFrame, by: Sequence[str] = ("run", "step")) -> pd.DataFrame:
@@ -242,8 +267,9 @@ def plot_curves(
     title: str | None = None,
 ) -> Figure:
     """Lines of ``mean`` against ``x``, one per ``hue`` level, each with its
-    ``low``–``high`` band (output of :func:`curve_with_ci`).  Reward, Sentient-score,
-    PPO vs GRPO, think vs non-think and difficulty curves all use this."""
+    ``low``–``high`` band (output of :func:`curve_with_ci`: the band resamples
+    scenarios).  Reward, Sentient-score, PPO vs GRPO, think vs non-think and
+    difficulty curves all use this."""
     fig, (ax,) = _figure()
     for level, group in curves.groupby(hue, sort=True):
         group = group.sort_values(x)

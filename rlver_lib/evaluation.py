@@ -201,9 +201,14 @@ class BenchmarkSummary:
 
     ``n_error``: dialogues that ended with termination ``error`` (the judge gave no
     usable appraisal); they are left out of every figure.  ``error_rate`` =
-    n_error / (n + n_error); ``score_errors_at_last`` / ``score_errors_as_zero``: the
-    Sentient score over all dialogues with the errored ones counted at their last
-    emotion / as 0 (bounds on what the errors could do).  ``terminations``: count per
+    n_error / (n + n_error), in [0, 1).  Bounds on what the errors could do to the
+    Sentient score (points, over all n + n_error dialogues): ``score_errors_as_zero``
+    (each errored dialogue counted at 0, the lowest final emotion it could have
+    reached) and ``score_errors_as_100`` (counted at 100); the score the complete
+    benchmark would have had lies in ``[score_errors_as_zero, score_errors_as_100]``,
+    whatever the errored dialogues would have done.  ``score_errors_at_last``: the
+    errored ones counted at their last recorded emotion, a point guess and **not** a
+    bound (kept for callers that print it).  ``terminations``: count per
     termination (ours; empty for SAGE records), ``n_context_limit`` among them.
     ``n_scenarios``: distinct scenarios among the scored dialogues (the resampling
     unit of every interval).
@@ -228,6 +233,7 @@ class BenchmarkSummary:
     error_rate: float = 0.0
     score_errors_at_last: float = float("nan")
     score_errors_as_zero: float = float("nan")
+    score_errors_as_100: float = float("nan")
     terminations: dict[str, int] = field(default_factory=dict)
     protocol_observed: dict[str, Any] = field(default_factory=dict)
 
@@ -243,6 +249,7 @@ class BenchmarkSummary:
                                "n_context_limit": self.n_context_limit, "error_rate": self.error_rate,
                                "score_errors_at_last": self.score_errors_at_last,
                                "score_errors_as_zero": self.score_errors_as_zero,
+                               "score_errors_as_100": self.score_errors_as_100,
                                "terminations": dict(self.terminations),
                                "protocol_observed": dict(self.protocol_observed)}
         for name in ("sentient_score", "success_rate", "failure_rate", "mean_turns"):
@@ -313,7 +320,8 @@ def summarize(
     Every interval is :func:`rlver_lib.stats.cluster_bootstrap_ci` over scenarios with
     the same ``seed`` (with one dialogue per scenario, the plain bootstrap).  Dialogues
     that ended in ``error`` are excluded from the figures and counted in ``n_error``,
-    with the error rate and the two bounds (see :class:`BenchmarkSummary`).
+    with the error rate and the bounds on the Sentient score with them counted at 0
+    and at 100 (see :class:`BenchmarkSummary`).
     Raises ``ValueError`` when no scored record remains, :class:`RecordError` on a bad one.
     """
     records = list(records)
@@ -328,7 +336,7 @@ def summarize(
     clusters = [v.scenario_id for v in views]
     boot = dict(n_boot=n_boot, confidence=confidence, seed=seed)
     last = np.array([v.final_emotion for v in every])
-    zero = np.array([0.0 if v.termination == "error" else v.final_emotion for v in every])
+    errored = np.array([v.termination == "error" for v in every])
     terminations: dict[str, int] = {}
     for v in every:
         if v.termination is not None:
@@ -347,7 +355,8 @@ def summarize(
         n_scenarios=len(set(clusters)),
         error_rate=(len(every) - len(views)) / len(every),
         score_errors_at_last=float(last.mean()),
-        score_errors_as_zero=float(zero.mean()),
+        score_errors_as_zero=float(np.where(errored, 0.0, last).mean()),
+        score_errors_as_100=float(np.where(errored, 100.0, last).mean()),
         terminations=dict(sorted(terminations.items())),
         protocol_observed=transcript_protocol(every),
     )
@@ -634,8 +643,10 @@ def run_benchmark(
 
 
 def scenario_scores(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
-    """Scored dialogues as a table ``scenario_id, repeat, final_emotion, error`` (one row
-    per dialogue; ``error`` True for termination ``error``)."""
+    """Dialogues as a table ``scenario_id, repeat, final_emotion, error`` (one row per
+    dialogue; ``final_emotion`` in points [0, 100], for an errored dialogue its last
+    recorded emotion; ``error`` True for termination ``error``).  Raises
+    :class:`RecordError` on a record of neither format."""
     rows = []
     for r in records:
         v = dialogue_view(r)
@@ -644,15 +655,32 @@ def scenario_scores(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["scenario_id", "repeat", "final_emotion", "error"])
 
 
+ERROR_BOUND_RULE = ("errored dialogues counted at 0 and at 100 (the ends of the emotion scale): for the low bound "
+                    "an errored trained dialogue is 0 and an errored baseline one 100, for the high bound the reverse")
+
+
 @dataclass
 class PairedComparison:
     """Trained against baseline on the same scenarios and seeds.
 
     ``difference``: :class:`rlver_lib.stats.PairedDifference` of the per-scenario
-    means (emotion points; positive = trained higher).  ``table``: one row per
-    scenario with ``scenario_id, baseline, trained, diff, n_pairs``.  ``n_pairs``:
-    (scenario, repeat) pairs scored on both sides; ``n_dropped``: pairs left out
-    because either side ended in a judge error or is missing.
+    means over the pairs scored on both sides (emotion points in [-100, 100];
+    positive = trained higher; ``difference.p_method`` says whether its p-value is
+    exact).  ``table``: one row per scenario with ``scenario_id, baseline, trained,
+    diff, n_pairs``.  ``baseline_score`` / ``trained_score``: the mean over the
+    table's scenarios of the per-scenario means (points), weighted like ``mean_diff``,
+    so ``trained_score - baseline_score == difference.mean_diff`` up to float
+    rounding.
+
+    Pair counts: ``n_pairs`` (scenario, repeat) pairs scored on both sides;
+    ``n_dropped`` = ``n_dropped_error + n_dropped_missing``, the pairs left out:
+    ``n_dropped_error`` present on both sides but ended in a judge error on either
+    (or both), ``n_dropped_missing`` present on one side only.  ``errors_low`` /
+    ``errors_high``: the same comparison with the errored pairs put back at the bounds
+    of :data:`ERROR_BOUND_RULE` (low: errored trained dialogues at 0, errored baseline
+    ones at 100; high: the reverse), so the difference the errored pairs could have
+    given lies between ``errors_low.mean_diff`` and ``errors_high.mean_diff``;
+    ``None`` when no pair errored.
     """
 
     difference: Any
@@ -661,45 +689,79 @@ class PairedComparison:
     n_dropped: int = 0
     baseline_score: float = float("nan")
     trained_score: float = float("nan")
+    n_dropped_error: int = 0
+    n_dropped_missing: int = 0
+    errors_low: Any = None
+    errors_high: Any = None
 
     def to_dict(self) -> dict[str, Any]:
         """What ``eval/paired.json`` holds: ``mean_diff, ci_low, ci_high, n_scenarios,
-        p_value`` and the rest of the difference, the pair counts, both scores over the
-        paired dialogues and the per-scenario rows."""
+        p_value, p_method`` and the rest of the difference, the pair counts, both scores
+        (means of per-scenario means over the paired scenarios), ``errors_low`` /
+        ``errors_high`` (the difference's fields with errored pairs at the bounds, or
+        ``None``), ``error_bound_rule`` and the per-scenario rows."""
+        bounds = {name: (None if d is None else d.to_dict())
+                  for name, d in (("errors_low", self.errors_low), ("errors_high", self.errors_high))}
         return {**self.difference.to_dict(), "n_pairs": self.n_pairs, "n_dropped": self.n_dropped,
+                "n_dropped_error": self.n_dropped_error, "n_dropped_missing": self.n_dropped_missing,
                 "baseline_score": self.baseline_score, "trained_score": self.trained_score,
-                "test": "two-sided sign-flip permutation test of the mean per-scenario difference",
+                "scores_weighting": "mean over the paired scenarios of each scenario's mean over its pairs",
+                **bounds, "error_bound_rule": ERROR_BOUND_RULE,
+                "test": ("two-sided sign-flip permutation test of the mean per-scenario difference "
+                         f"({self.difference.p_method})"),
                 "scenarios": self.table.to_dict(orient="records")}
 
 
+def _per_scenario(pairs: pd.DataFrame, baseline: pd.Series, trained: pd.Series) -> pd.DataFrame:
+    table = (pd.DataFrame({"scenario_id": pairs["scenario_id"], "baseline": baseline, "trained": trained})
+             .groupby("scenario_id", sort=False)
+             .agg(baseline=("baseline", "mean"), trained=("trained", "mean"), n_pairs=("baseline", "size"))
+             .reset_index())
+    table["diff"] = table["trained"] - table["baseline"]
+    return table[["scenario_id", "baseline", "trained", "diff", "n_pairs"]]
+
+
 def paired_comparison(baseline: Iterable[dict[str, Any]], trained: Iterable[dict[str, Any]], *,
-                      n_boot: int = 1000, confidence: float = 0.95, seed: int = 0) -> PairedComparison:
+                      n_boot: int = 1000, confidence: float = 0.95, seed: int = 0,
+                      n_resamples: int = 9999) -> PairedComparison:
     """Pair two benchmarks by (scenario, repeat) and compare them per scenario.
 
-    Pairs where either side is missing or ended in a judge error are dropped; each
-    scenario's difference is the mean over its remaining pairs of trained minus
-    baseline final emotion; the mean difference over scenarios gets a bootstrap
-    interval and a sign-flip permutation p-value (:func:`rlver_lib.stats.paired_difference`).
-    Raises ``ValueError`` when no scenario is scored on both sides.
+    Pairs where either side is missing or ended in a judge error are dropped (and
+    counted apart); each scenario's difference is the mean over its remaining pairs of
+    trained minus baseline final emotion (points); the mean difference over scenarios
+    gets a bootstrap interval over scenarios and a sign-flip permutation p-value
+    (:func:`rlver_lib.stats.paired_difference` with ``n_resamples``: exact only while
+    2**n_scenarios <= n_resamples + 1).  The baseline and trained scores are the means
+    of the same per-scenario means, so they subtract to ``mean_diff``.  When pairs
+    errored, the comparison is repeated with them at both bounds
+    (:data:`ERROR_BOUND_RULE`; see :class:`PairedComparison`).
+    Raises ``ValueError`` when no pair is scored on both sides without an error.
     """
     a, b = scenario_scores(baseline), scenario_scores(trained)
     merged = a.merge(b, on=["scenario_id", "repeat"], how="outer", suffixes=("_baseline", "_trained"))
-    ok = merged["final_emotion_baseline"].notna() & merged["final_emotion_trained"].notna() \
-        & ~merged["error_baseline"].fillna(True).astype(bool) & ~merged["error_trained"].fillna(True).astype(bool)
+    both = merged["final_emotion_baseline"].notna() & merged["final_emotion_trained"].notna()
+    err_a = merged["error_baseline"].astype("boolean").fillna(False).astype(bool)
+    err_b = merged["error_trained"].astype("boolean").fillna(False).astype(bool)
+    ok = both & ~err_a & ~err_b
     pairs = merged[ok]
     if pairs.empty:
         raise ValueError("paired_comparison: no scenario was scored in both benchmarks")
-    table = (pairs.groupby("scenario_id", sort=False)
-             .agg(baseline=("final_emotion_baseline", "mean"), trained=("final_emotion_trained", "mean"),
-                  n_pairs=("repeat", "size"))
-             .reset_index())
-    table["diff"] = table["trained"] - table["baseline"]
-    table = table[["scenario_id", "baseline", "trained", "diff", "n_pairs"]]
-    diff = paired_difference(table["baseline"].to_numpy(), table["trained"].to_numpy(),
-                             n_boot=n_boot, confidence=confidence, seed=seed)
+    boot = dict(n_boot=n_boot, confidence=confidence, seed=seed, n_resamples=n_resamples)
+    table = _per_scenario(pairs, pairs["final_emotion_baseline"], pairs["final_emotion_trained"])
+    diff = paired_difference(table["baseline"].to_numpy(), table["trained"].to_numpy(), **boot)
+    n_error = int((both & (err_a | err_b)).sum())
+    bounds: dict[str, Any] = {"errors_low": None, "errors_high": None}
+    if n_error:
+        present = merged[both]
+        ea, eb = err_a[both], err_b[both]
+        for name, (base_at, trained_at) in (("errors_low", (100.0, 0.0)), ("errors_high", (0.0, 100.0))):
+            t = _per_scenario(present, present["final_emotion_baseline"].where(~ea, base_at),
+                              present["final_emotion_trained"].where(~eb, trained_at))
+            bounds[name] = paired_difference(t["baseline"].to_numpy(), t["trained"].to_numpy(), **boot)
     return PairedComparison(diff, table, n_pairs=int(len(pairs)), n_dropped=int(len(merged) - len(pairs)),
-                            baseline_score=float(pairs["final_emotion_baseline"].mean()),
-                            trained_score=float(pairs["final_emotion_trained"].mean()))
+                            baseline_score=float(table["baseline"].mean()),
+                            trained_score=float(table["trained"].mean()),
+                            n_dropped_error=n_error, n_dropped_missing=int((~both).sum()), **bounds)
 
 
 def write_paired(run_dir: str | Path, *, baseline: str = "baseline", trained: str = "trained",
@@ -735,9 +797,13 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
     """The report's opening block: the answer first.
 
     Reads ``<run_dir>/eval/paired.json`` and ``eval/*/summary.json``: the paired
-    trained-minus-baseline difference with its interval and p-value, n, the judge, the
-    protocol and ``wall_s`` (the run's wall time, seconds).  An interval or p-value
-    over fewer than :data:`rlver_lib.stats.MIN_N` scenarios is greyed with the reason.
+    trained-minus-baseline difference (emotion points) with its interval and p-value
+    (named exact or Monte Carlo, as computed), the pairs used and dropped, the
+    difference with errored pairs at both bounds, the baseline and trained scores
+    weighted like the difference (they subtract to it), each benchmark's score with
+    its error bounds (errored dialogues at 0 and at 100), the judge, the protocol and
+    ``wall_s`` (the run's wall time, seconds).  An interval or p-value over fewer
+    than :data:`rlver_lib.stats.MIN_N` scenarios is greyed with the reason.
     Returns ``""`` when the run has no benchmark summary with figures.
     """
     run_dir = Path(run_dir)
@@ -757,14 +823,27 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
     if paired:
         n = paired["n_scenarios"]
         diff = f"**{paired['mean_diff']:+.1f} emotion points** (trained minus baseline, paired over {n} scenario(s)"
-        diff += f", {paired['n_pairs']} dialogue pair(s))"
+        diff += f", {paired['n_pairs']} dialogue pair(s); {_dropped_text(paired)})"
+        method = f" ({paired['p_method']})" if paired.get("p_method") else ""
         stats = (f"{100 * paired['confidence']:.0f}% CI [{paired['ci_low']:+.1f}, {paired['ci_high']:+.1f}], "
-                 f"permutation p = {paired['p_value']:.3g}")
+                 f"sign-flip permutation p = {paired['p_value']:.3g}{method}")
         if n < MIN_N:
             stats = _grey(f"{stats} — not evidence: n = {n} scenarios < {MIN_N}")
         lines.append(f"- Sentient score change: {diff}; {stats}.")
-        lines.append(f"- Baseline {paired['baseline_score']:.1f} → trained {paired['trained_score']:.1f} "
-                     "on the paired dialogues.")
+        low, high = paired.get("errors_low"), paired.get("errors_high")
+        if low and high:
+            n_b = high["n_scenarios"]
+            bound_stats = (f"low: CI [{low['ci_low']:+.1f}, {low['ci_high']:+.1f}], p = {low['p_value']:.3g}; "
+                           f"high: CI [{high['ci_low']:+.1f}, {high['ci_high']:+.1f}], p = {high['p_value']:.3g}")
+            if n_b < MIN_N:
+                bound_stats = _grey(f"{bound_stats} — n = {n_b} scenarios < {MIN_N}")
+            lines.append(f"- With the {paired.get('n_dropped_error', 0)} errored pair(s) put back at the bounds "
+                         "(errored trained dialogues at 0 and baseline ones at 100, then the reverse): change "
+                         f"between {low['mean_diff']:+.1f} and {high['mean_diff']:+.1f} over {n_b} scenario(s) "
+                         f"({bound_stats}).")
+        lines.append(f"- Baseline {paired['baseline_score']:.2f} → trained {paired['trained_score']:.2f}: means over "
+                     f"the {n} paired scenario(s) of each scenario's mean over its pairs, weighted like the change "
+                     f"(trained minus baseline = {paired['trained_score'] - paired['baseline_score']:+.2f}).")
     for label, s in summaries.items():
         score = s["sentient_score"]
         n_sc = s.get("n_scenarios", s.get("n", 0))
@@ -773,9 +852,10 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
             ci = _grey(f"{ci} — n = {n_sc} scenarios < {MIN_N}")
         errors = ""
         if s.get("n_error"):
-            errors = (f"; errors {s['n_error']} ({100 * s.get('error_rate', 0):.0f}%): score "
-                      f"{s.get('score_errors_at_last', float('nan')):.1f} with them at their last emotion, "
-                      f"{s.get('score_errors_as_zero', float('nan')):.1f} with them as 0")
+            errors = (f"; errors {s['n_error']} ({100 * s.get('error_rate', 0):.0f}%), left out: with them the score "
+                      f"over all {s.get('n', 0) + s['n_error']} dialogues lies in "
+                      f"[{s.get('score_errors_as_zero', float('nan')):.1f}, "
+                      f"{s.get('score_errors_as_100', float('nan')):.1f}] (errored ones at 0 / at 100)")
         ctx = f"; {s['n_context_limit']} stopped by the context budget" if s.get("n_context_limit") else ""
         lines.append(f"- `{label}`: Sentient score {score['value']:.1f} over {s.get('n')} dialogue(s) of {n_sc} "
                      f"scenario(s) {ci}; success {s.get('n_success')}, failure {s.get('n_failure')}{errors}{ctx}.")
@@ -818,15 +898,17 @@ def headline_table(summary: BenchmarkSummary) -> pd.DataFrame:
 
 def error_statement(summary: BenchmarkSummary) -> str:
     """One paragraph: dialogue and scenario counts, why intervals may be left out, the
-    error rate with the two bounds, and the context-budget stops."""
+    error rate with the bounds on the Sentient score (errored dialogues counted at 0
+    and at 100, points), and the context-budget stops."""
     parts = [f"{summary.n} scored dialogue(s) over {summary.n_scenarios} scenario(s): {summary.n_success} reached "
              f"100, {summary.n_failure} ended below 10."]
     if summary.n_scenarios < MIN_N:
         parts.append(f"Intervals left out: n = {summary.n_scenarios} scenarios < {MIN_N}.")
     if summary.n_error:
         parts.append(f"{summary.n_error} dialogue(s) ({100 * summary.error_rate:.0f}%) ended in a judge error and are "
-                     f"excluded; counting them at their last emotion gives {summary.score_errors_at_last:.1f}, "
-                     f"as 0 gives {summary.score_errors_as_zero:.1f}.")
+                     f"excluded; whatever they would have scored, the Sentient score over all "
+                     f"{summary.n + summary.n_error} dialogues lies between {summary.score_errors_as_zero:.1f} "
+                     f"(errored ones at 0) and {summary.score_errors_as_100:.1f} (at 100).")
     else:
         parts.append("No judge errors.")
     if summary.n_context_limit:
@@ -847,16 +929,36 @@ def styled_breakdown(breakdown: pd.DataFrame) -> Any:
             .set_caption(f"grey: fewer than {MIN_N} scenarios, the interval says little"))
 
 
+def _dropped_text(counts: dict[str, Any]) -> str:
+    n_error = counts.get("n_dropped_error")
+    n_missing = counts.get("n_dropped_missing")
+    if n_error is None or n_missing is None:  # a paired.json written before the split
+        return f"{counts.get('n_dropped', 0)} dropped (errored or missing)"
+    return f"{n_error} dropped as errored on either side, {n_missing} as missing on one side"
+
+
 def describe_paired(paired: PairedComparison) -> str:
-    """One sentence on a paired comparison; the interval and p-value are flagged as
-    not evidence below :data:`rlver_lib.stats.MIN_N` scenarios."""
+    """One sentence on a paired comparison (emotion points): the difference with its
+    interval and p-values (the sign-flip one named exact or Monte Carlo as computed),
+    the pairs used and dropped, and, when pairs errored, the difference with the
+    errored pairs at both bounds (:data:`ERROR_BOUND_RULE`).  The interval and
+    p-value are flagged as not evidence below :data:`rlver_lib.stats.MIN_N` scenarios."""
     d = paired.difference
+    method = f" ({d.p_method})" if getattr(d, "p_method", "") else ""
+    counts = {"n_dropped": paired.n_dropped, "n_dropped_error": paired.n_dropped_error,
+              "n_dropped_missing": paired.n_dropped_missing}
     text = (f"trained minus baseline: {d.mean_diff:+.1f} emotion points over {d.n_scenarios} scenario(s) "
-            f"({paired.n_pairs} pairs, {paired.n_dropped} dropped for errors), {100 * d.confidence:.0f}% CI "
-            f"[{d.ci_low:+.1f}, {d.ci_high:+.1f}], sign-flip p = {d.p_value:.3g}, sign test p = {d.sign_test_p:.3g}; "
-            f"{d.n_positive} scenario(s) up, {d.n_negative} down, {d.n_zero} equal")
+            f"({paired.n_pairs} pairs; {_dropped_text(counts)}), {100 * d.confidence:.0f}% CI "
+            f"[{d.ci_low:+.1f}, {d.ci_high:+.1f}], sign-flip p = {d.p_value:.3g}{method}, "
+            f"sign test p = {d.sign_test_p:.3g}; {d.n_positive} scenario(s) up, {d.n_negative} down, {d.n_zero} equal")
     if d.n_scenarios < MIN_N:
         text += f" (n = {d.n_scenarios} < {MIN_N}: not evidence either way)"
+    if paired.errors_low is not None and paired.errors_high is not None:
+        lo, hi = paired.errors_low, paired.errors_high
+        text += (f"; with the {paired.n_dropped_error} errored pair(s) at the bounds (errored trained dialogues at 0 "
+                 f"and baseline ones at 100, then the reverse) it lies between {lo.mean_diff:+.1f} "
+                 f"[{lo.ci_low:+.1f}, {lo.ci_high:+.1f}] (p = {lo.p_value:.3g}) and {hi.mean_diff:+.1f} "
+                 f"[{hi.ci_low:+.1f}, {hi.ci_high:+.1f}] (p = {hi.p_value:.3g})")
     return text
 
 

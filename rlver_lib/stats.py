@@ -4,9 +4,12 @@ Shared by the benchmark, the paired baseline-vs-trained comparison, judge agreem
 the training curves: :func:`bootstrap_ci` (independent observations),
 :func:`cluster_bootstrap_ci` and :func:`cluster_bootstrap` (whole clusters resampled:
 dialogues of one scenario, turns of one dialogue), :func:`sign_flip_test` (paired
-permutation test, exact for n <= 16), :func:`sign_test`, :func:`paired_difference`
-(both tests and the interval of the mean difference) and :func:`curve_ci` (per-step
-curves clustered by scenario).
+permutation test: exact, over all 2**n sign patterns, only while
+``2**n <= n_resamples + 1``, so up to n = 13 with the default 9,999 resamples; Monte
+Carlo above, see :func:`sign_flip_method`), :func:`sign_test` and
+:func:`paired_difference` (both tests and the interval of the mean difference).
+Training curves (per-step intervals clustered by scenario) are
+:func:`rlver_lib.analysis.curve_with_ci`, built on :func:`cluster_bootstrap_ci`.
 
 Percentile intervals: the ``(1-confidence)/2`` and ``(1+confidence)/2`` percentiles of
 the resampled statistic (numpy's linear interpolation); the same inputs and ``seed``
@@ -152,27 +155,67 @@ def cluster_bootstrap(
     return Estimate(float(statistic(np.arange(n_units))), low, high, confidence)
 
 
+def _sign_flip_exact(n: int, n_resamples: int) -> bool:
+    return 2 ** n <= n_resamples + 1
+
+
+def sign_flip_method(n: int, n_resamples: int = 9999) -> str:
+    """How :func:`sign_flip_test` computes its p-value for ``n`` differences, in words.
+
+    ``"exact, all 2^n = N sign patterns"`` when ``2**n <= n_resamples + 1`` (enumerating
+    every pattern costs no more than ``n_resamples`` random ones plus the observed one;
+    with the default 9,999 that is n <= 13, 2**13 = 8,192); otherwise
+    ``"Monte Carlo, B resamples"``.  Only the first wording may be called exact.
+    Raises ``ValueError`` when ``n < 1`` or ``n_resamples < 1``.
+    """
+    if n < 1 or n_resamples < 1:
+        raise ValueError(f"sign_flip_method needs n >= 1 and n_resamples >= 1, got {n}, {n_resamples}")
+    if _sign_flip_exact(n, n_resamples):
+        return f"exact, all 2^{n} = {2 ** n} sign patterns"
+    return f"Monte Carlo, {n_resamples} resamples"
+
+
 def sign_flip_test(differences: Sequence[float] | np.ndarray, *, n_resamples: int = 9999,
                    seed: int = 0) -> float:
-    """Two-sided p-value of a zero mean for paired ``differences`` (shape (n,)).
+    """Two-sided p-value, in (0, 1], of a zero mean for paired ``differences`` (shape (n,)).
 
     Under the null each difference is as likely positive as negative, so the mean's
-    null distribution comes from flipping signs at random
-    (``scipy.stats.permutation_test`` with one sample and
-    ``permutation_type="samples"``; exact over all 2**n sign patterns when
-    ``2**n <= n_resamples``).  Returns a p-value in (0, 1]; 1.0 when all differences
-    are 0.  Raises ``ValueError`` on empty or non-finite input.
-    """
-    from scipy.stats import permutation_test
+    null distribution comes from flipping signs.  A sign pattern s counts as extreme
+    when ``|sum(s * d)| >= |sum(d)| - 1e-12 * sum(|d|)`` (the tolerance absorbs float
+    rounding of ties).  Two ways, chosen by :func:`sign_flip_method`:
 
+    - **exact** when ``2**n <= n_resamples + 1`` (n <= 13 with the default 9,999):
+      every one of the 2**n patterns is enumerated and p = #extreme / 2**n;
+    - **Monte Carlo** otherwise: ``n_resamples`` patterns drawn uniformly with
+      ``numpy.random.default_rng(seed)`` (``integers(0, 2, size=(rows, n))`` in blocks
+      of rows, 1 -> +1, 0 -> -1) and p = (1 + #extreme) / (n_resamples + 1), which is
+      never 0 and is a valid p-value, but only an estimate of the exact one
+      (standard error about sqrt(p (1-p) / n_resamples)).
+
+    Returns 1.0 when all differences are 0.  Raises ``ValueError`` on empty or
+    non-finite input or ``n_resamples < 1``.
+    """
     d = np.asarray(differences, dtype=float)
     if d.ndim != 1 or d.size == 0 or not np.all(np.isfinite(d)):
         raise ValueError("sign_flip_test needs a non-empty 1-D sequence of finite differences")
+    if n_resamples < 1:
+        raise ValueError(f"sign_flip_test needs n_resamples >= 1, got {n_resamples}")
     if not np.any(d):
         return 1.0
-    result = permutation_test((d,), np.mean, permutation_type="samples", alternative="two-sided",
-                              n_resamples=n_resamples, random_state=np.random.default_rng(seed))
-    return float(min(1.0, result.pvalue))
+    n = d.size
+    threshold = abs(d.sum()) - 1e-12 * np.abs(d).sum()
+    if _sign_flip_exact(n, n_resamples):
+        patterns = (np.arange(2 ** n)[:, None] >> np.arange(n)) & 1
+        extreme = int((np.abs((2 * patterns - 1) @ d) >= threshold).sum())
+        return extreme / 2 ** n
+    rng = np.random.default_rng(seed)
+    block = max(1, (1 << 20) // n)
+    extreme = 0
+    for start in range(0, n_resamples, block):
+        rows = min(block, n_resamples - start)
+        signs = 2 * rng.integers(0, 2, size=(rows, n)) - 1
+        extreme += int((np.abs(signs @ d) >= threshold).sum())
+    return (1 + extreme) / (n_resamples + 1)
 
 
 def sign_test(differences: Sequence[float] | np.ndarray) -> float:
@@ -193,7 +236,9 @@ class PairedDifference:
 
     ``mean_diff`` (units of the compared figure, e.g. emotion points) with its
     percentile bootstrap interval ``[ci_low, ci_high]`` over units; ``p_value``: the
-    two-sided sign-flip permutation test (:func:`sign_flip_test`); ``sign_test_p``: the
+    two-sided sign-flip permutation test (:func:`sign_flip_test`), computed as
+    ``p_method`` says (:func:`sign_flip_method`: ``"exact, ..."`` only when every sign
+    pattern was enumerated, else ``"Monte Carlo, B resamples"``); ``sign_test_p``: the
     sign test; ``n_positive`` / ``n_negative`` / ``n_zero``: units where B is above,
     below or equal to A.
     """
@@ -208,6 +253,7 @@ class PairedDifference:
     n_positive: int
     n_negative: int
     n_zero: int
+    p_method: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able fields."""
@@ -226,8 +272,9 @@ def paired_difference(
     """The paired comparison of ``b`` against ``a`` (both shape (n,), unit i paired).
 
     Differences ``d = b - a``; ``mean_diff`` = mean(d) with :func:`bootstrap_ci` of d
-    (``n_boot``, ``confidence``, ``seed``), ``p_value`` = :func:`sign_flip_test` (d),
-    ``sign_test_p`` = :func:`sign_test` (d).  Raises ``ValueError`` when the lengths
+    (``n_boot``, ``confidence``, ``seed``), ``p_value`` = :func:`sign_flip_test` (d,
+    ``n_resamples``, ``seed``; exact only while ``2**n <= n_resamples + 1``, named in
+    ``p_method``), ``sign_test_p`` = :func:`sign_test` (d).  Raises ``ValueError`` when the lengths
     differ or the input is empty or not finite.
     """
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
@@ -239,35 +286,6 @@ def paired_difference(
         mean_diff=est.value, ci_low=est.low, ci_high=est.high, confidence=confidence,
         n_scenarios=int(d.size), p_value=sign_flip_test(d, n_resamples=n_resamples, seed=seed),
         sign_test_p=sign_test(d), n_positive=int((d > 0).sum()), n_negative=int((d < 0).sum()),
-        n_zero=int((d == 0).sum()),
+        n_zero=int((d == 0).sum()), p_method=sign_flip_method(int(d.size), n_resamples),
     )
 
-
-def curve_ci(
-    table: pd.DataFrame,
-    *,
-    value: str,
-    step: str = "step",
-    cluster: str = "scenario_id",
-    n_boot: int = 1000,
-    confidence: float = 0.95,
-    seed: int = 0,
-) -> pd.DataFrame:
-    """A training curve with intervals clustered by scenario.
-
-    ``table`` has one row per dialogue with columns ``step``, ``value`` and ``cluster``
-    (GRPO replicas of one scenario share its id).  Returns one row per step (sorted)
-    with ``step, mean, low, high, n, n_clusters``, the interval from
-    :func:`cluster_bootstrap_ci` over that step's dialogues, seeded ``seed + step
-    index``.  Raises ``KeyError`` naming a missing column.
-    """
-    missing = [c for c in (step, value, cluster) if c not in table.columns]
-    if missing:
-        raise KeyError(f"curve_ci: missing column(s) {missing}")
-    rows = []
-    for k, (s, group) in enumerate(sorted(table.groupby(step), key=lambda kv: kv[0])):
-        est = cluster_bootstrap_ci(group[value].to_numpy(dtype=float), group[cluster].tolist(),
-                                   n_boot=n_boot, confidence=confidence, seed=seed + k)
-        rows.append({step: s, "mean": est.value, "low": est.low, "high": est.high,
-                     "n": len(group), "n_clusters": int(group[cluster].nunique())})
-    return pd.DataFrame(rows, columns=[step, "mean", "low", "high", "n", "n_clusters"])

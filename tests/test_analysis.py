@@ -82,6 +82,43 @@ def test_curve_with_ci_and_rates(runs):
     assert rates[(rates["outcome"] == "success") & (rates["step"] == 1)]["rate"].tolist() == [0.5, 0.5]
 
 
+def _grpo_table():
+    # step 1: scenario a's replicas 0.2, 0.4 (mean 0.3), b's 0.6, 0.8 (mean 0.7); step 2: one scenario
+    return pd.DataFrame({"run": "r", "step": [1, 1, 1, 1, 2, 2], "reward": [0.2, 0.4, 0.6, 0.8, 0.5, 0.9],
+                         "scenario_id": ["a", "a", "b", "b", "a", "a"]})
+
+
+def test_curve_with_ci_resamples_scenarios_not_dialogues():
+    curves = A.curve_with_ci(_grpo_table(), "reward", n_boot=6, confidence=0.5, seed=4)
+    assert list(curves.columns) == ["run", "step", "mean", "low", "high", "n", "n_clusters"]
+    assert curves["mean"].tolist() == pytest.approx([0.5, 0.7])
+    assert curves["n"].tolist() == [4, 2] and curves["n_clusters"].tolist() == [2, 1]
+    # step 1 by hand: default_rng(4).integers(0, 2, size=(6, 2)) draws the scenario pairs
+    # (b,b) (b,b) (b,b) (b,a) (a,b) (a,a) -> means 0.7 0.7 0.7 0.5 0.5 0.3; sorted
+    # 0.3 0.5 0.5 0.7 0.7 0.7, 25th / 75th percentiles at positions 1.25 and 3.75: 0.5 and 0.7
+    assert (curves["low"].iloc[0], curves["high"].iloc[0]) == pytest.approx((0.5, 0.7))
+    # step 2: both dialogues share one scenario, so the band has nothing to resample
+    assert (curves["low"].iloc[1], curves["high"].iloc[1]) == pytest.approx((0.7, 0.7))
+    # any scenario resample's mean is 0.3, 0.5 or 0.7; resampling dialogues would reach 0.2 or 0.25 (5 in 256)
+    wide = A.curve_with_ci(_grpo_table(), "reward", n_boot=2000, confidence=0.99)
+    assert 0.3 - 1e-12 <= wide["low"].iloc[0] and wide["high"].iloc[0] <= 0.7 + 1e-12
+    with pytest.raises(KeyError, match="scenario_id"):
+        A.curve_with_ci(_grpo_table().drop(columns="scenario_id"), "reward")
+    with pytest.raises(ValueError, match="without a 'scenario_id'"):
+        A.curve_with_ci(_grpo_table().assign(scenario_id=None), "reward")
+
+
+def test_one_curve_function_in_the_library_and_the_notebooks():
+    from rlver_lib import stats
+
+    assert not hasattr(stats, "curve_ci")  # the unclustered duplicate is gone; stats keeps the bootstrap
+    root = Path(__file__).resolve().parents[1] / "notebooks"
+    for name in ("03_training", "05_ablations", "06_analysis"):
+        cells = json.loads((root / f"{name}.ipynb").read_text(encoding="utf-8"))["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        assert "analysis.curve_with_ci(" in code and "curve_ci(" not in code.replace("curve_with_ci(", ""), name
+
+
 # --------------------------------------------------------------------------- plots
 
 

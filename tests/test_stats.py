@@ -6,15 +6,14 @@ import itertools
 import math
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from rlver_lib.stats import (
     bootstrap_ci,
     cluster_bootstrap,
     cluster_bootstrap_ci,
-    curve_ci,
     paired_difference,
+    sign_flip_method,
     sign_flip_test,
     sign_test,
 )
@@ -108,14 +107,32 @@ def test_cluster_bootstrap_of_any_statistic():
     assert 1.5 <= est.low <= est.high <= 3.5
 
 
-def test_curve_ci_is_clustered_per_step():
-    table = pd.DataFrame({"step": [1, 1, 1, 1, 0, 0], "reward": [0.2, 0.4, 0.6, 0.6, 0.5, 0.5],
-                          "scenario_id": ["a", "a", "b", "b", "a", "b"]})
-    curve = curve_ci(table, value="reward", n_boot=30, seed=2)
-    assert curve["step"].tolist() == [0, 1]
-    assert curve["mean"].tolist() == pytest.approx([0.5, 0.45])
-    assert curve["n"].tolist() == [2, 4] and curve["n_clusters"].tolist() == [2, 2]
-    step1 = cluster_bootstrap_ci([0.2, 0.4, 0.6, 0.6], ["a", "a", "b", "b"], n_boot=30, seed=3)
-    assert (curve["low"].iloc[1], curve["high"].iloc[1]) == pytest.approx((step1.low, step1.high))
-    with pytest.raises(KeyError, match="reward2"):
-        curve_ci(table, value="reward2")
+def test_sign_flip_is_exact_only_while_every_sign_pattern_is_enumerated():
+    # 2**13 = 8,192 <= 9,999 + 1 patterns: enumerated; 2**14 = 16,384 > 10,000: Monte Carlo
+    assert sign_flip_method(13) == "exact, all 2^13 = 8192 sign patterns"
+    assert sign_flip_method(14) == "Monte Carlo, 9999 resamples"
+    assert sign_flip_method(3, n_resamples=7).startswith("exact")  # 2**3 = 8 = 7 + 1
+    assert sign_flip_method(3, n_resamples=6) == "Monte Carlo, 6 resamples"
+    with pytest.raises(ValueError):
+        sign_flip_method(0)
+    # d = [1, -2, 3], sum 2; the 8 signed sums are +-6, +-4, +-2, 0, 0: six have |sum| >= 2
+    assert sign_flip_test([1.0, -2.0, 3.0], n_resamples=7) == 6 / 8
+    # all 3 positive, sum 6: only the all-plus and all-minus patterns reach |6|
+    assert sign_flip_test([1.0, 2.0, 3.0], n_resamples=7) == 2 / 8
+    # 13 positive differences, default resamples: exact, 2 of 8192 patterns
+    assert sign_flip_test(np.arange(1.0, 14.0)) == 2 / 2**13
+    result = paired_difference(BASELINE, TRAINED, n_boot=5)
+    assert result.p_method == "exact, all 2^8 = 256 sign patterns" and result.to_dict()["p_method"] == result.p_method
+    assert paired_difference(np.zeros(14), np.arange(1.0, 15.0), n_boot=5).p_method == "Monte Carlo, 9999 resamples"
+
+
+def test_sign_flip_monte_carlo_above_the_exact_range():
+    # n = 6 with 50 resamples: 2**6 = 64 > 51, so 50 random patterns and p = (1 + #extreme) / 51
+    d = np.array([3.0, -1.0, 4.0, 1.0, -5.0, 9.0])  # sum 11
+    signs = 2 * np.random.default_rng(4).integers(0, 2, size=(50, 6)) - 1
+    extreme = int((np.abs(signs @ d) >= 11 - 1e-9).sum())
+    assert sign_flip_test(d, n_resamples=50, seed=4) == (1 + extreme) / 51
+    # never 0, even when no random pattern is as extreme as the data
+    assert sign_flip_test(np.full(40, 1.0), n_resamples=99, seed=0) == 1 / 100
+    with pytest.raises(ValueError):
+        sign_flip_test([1.0, 2.0], n_resamples=0)
