@@ -120,6 +120,9 @@ PAPER_SHARED.update({  # later fixes: RLVER's released training simulators start
     "evaluation.judge.timeout_s": 180, "evaluation.judge.concurrency": 64, "evaluation.judge.appraisal_chars": 1200,
     "evaluation.judge.message_chars": 1200,
 })
+PAPER_SHARED.update({  # the benchmark judge on an endpoint and model of its own, not the simulator's alias
+    "evaluation.judge.base_url": "http://localhost:8001/v1", "evaluation.judge.model": "sentient-judge",
+})
 PAPER_VARIANTS = {  # run_name: (training.algorithm, group_size, policy.think, max_new_tokens, difficulty)
     "paper-grpo-nothink-hard": ("grpo", 4, False, 512, "hard"),
     "paper-grpo-nothink-moderate": ("grpo", 4, False, 512, "moderate"),
@@ -169,6 +172,20 @@ def test_paper_recipe_is_a_few_lines_on_its_base(name):
     text = (ROOT / "params" / f"{name}.yaml").read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 15
     assert yaml.safe_load(text)["base"] == "paper/base.yaml"
+
+
+def test_paper_recipes_share_one_judge_apart_from_the_training_simulator():
+    """Every paper recipe is scored by the same judge (its whole config), and that judge
+    is not the training simulator behind another name: its own endpoint and served model."""
+    configs = {name: load_config(ROOT / "params" / f"{name}.yaml") for name in sorted(PAPER_VARIANTS)}
+    judges = {name: cfg.evaluation.judge.model_dump() for name, cfg in configs.items()}
+    first = next(iter(judges.values()))
+    assert all(judge == first for judge in judges.values())
+    for cfg in configs.values():
+        assert (cfg.evaluation.judge.base_url, cfg.evaluation.judge.model) == (
+            "http://localhost:8001/v1", "sentient-judge")
+        assert cfg.evaluation.judge.base_url != cfg.simulator.base_url
+        assert cfg.evaluation.judge.model != cfg.simulator.model
 
 
 def _write(path: Path, text: str) -> Path:
