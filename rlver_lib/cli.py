@@ -77,7 +77,8 @@ def _cmd_judge_agreement(args: argparse.Namespace) -> int:
 
     return judge_agreement_command(args.files, params=args.params, overrides=args.set, sample=args.sample,
                                    dialogues=args.dialogues, seed=args.seed, json_out=args.json,
-                                   progress=not args.no_progress)
+                                   progress=not args.no_progress, permutations=args.permutations,
+                                   retest_seed=args.retest_seed)
 
 
 def _cmd_sage_score(args: argparse.Namespace) -> int:
@@ -148,7 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     agree.add_argument("--dialogues", type=int, default=None, metavar="D",
                        help="replay every turn of D dialogues drawn at random (far cheaper per turn for a "
                        "local judge: each dialogue's long profile is read once)")
-    agree.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the turn sample and the bootstrap")
+    agree.add_argument("--seed", type=int, default=0, metavar="S",
+                       help="seed of the turn sample, the bootstrap and the permutation test")
+    agree.add_argument("--permutations", type=int, default=2000, metavar="B",
+                       help="within-dialogue permutations of the partial-correlation test (default 2000)")
+    agree.add_argument("--retest-seed", type=int, default=None, metavar="R",
+                       help="replay the same turns again with the judge seeded R and report the test-retest "
+                       "noise of a dialogue's final emotion (doubles the judge's work)")
     agree.add_argument("--json", default=None, metavar="OUT", help="write the figures as JSON to OUT")
     agree.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     agree.set_defaults(func=_cmd_judge_agreement)
