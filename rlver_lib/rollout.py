@@ -289,6 +289,7 @@ def _record_user_turn(dialogue: _Dialogue, result: SimulatorTurn) -> None:
             "raw_outputs": result.raw_outputs,
             "failures": result.failures,
             "error": result.error,
+            "history_dropped": result.history_dropped,
         }
     )
     dialogue.emotion = result.emotion

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import json
 import threading
 import time
@@ -427,3 +428,69 @@ def test_structured_batch_backend_errors():
                                      render=_ask, name="reply", tolerate_errors=True, died="earlier")
     assert backend.calls == [] and died == "earlier"
     assert [(r.attempts, r.failures) for r in results] == [(0, ["reply: backend died: earlier"])] * 2
+
+
+# ---------------------------------------------------------------- next-token log-probs, prompt lengths, sampling fields
+
+
+def test_transformers_next_token_logprobs_match_a_plain_forward_pass(backend, embedded_policy):
+    model, _ = embedded_policy
+    tops = backend.next_token_logprobs(CONVERSATIONS, top_n=5)
+    for conv, top in zip(CONVERSATIONS, tops):
+        # independently: one unpadded forward pass, log-softmax of the last position
+        ids = torch.tensor([backend.prompt_ids(conv)])
+        with torch.no_grad():
+            expected = torch.log_softmax(model(ids).logits[0, -1].float(), -1).topk(5)
+        assert len(top) <= 5 and max(top.values()) <= 0.0
+        first = backend.tokenizer.decode([int(expected.indices[0])])
+        assert top[first] == pytest.approx(float(expected.values[0]), abs=1e-4)  # left padding changes nothing
+        # the most likely token is what greedy decoding emits first
+        [greedy] = backend.generate([conv], SamplingParams(temperature=0, max_new_tokens=1))
+        assert greedy.completion_ids[0] == int(expected.indices[0])
+    assert backend.prompt_tokens(CONVERSATIONS) == [len(backend.prompt_ids(c)) for c in CONVERSATIONS]
+
+
+def test_llama_server_next_token_logprobs_and_prompt_tokens(llama_backend):
+    sampling = SamplingParams(temperature=0, max_new_tokens=1)
+    tops = llama_backend.next_token_logprobs(CONVERSATIONS, top_n=10)
+    for conv, top in zip(CONVERSATIONS, tops):
+        assert 1 <= len(top) <= 10 and sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-6
+        [greedy] = llama_backend.generate([conv], sampling)
+        # greedy's first token is the most likely one the server reports
+        assert max(top, key=top.get) == greedy.text or greedy.text.startswith(max(top, key=top.get).strip())
+        # the server's own count of the prompt, from a real completion, equals the exact count
+        assert llama_backend.prompt_tokens([conv]) == [greedy.meta["usage"]["prompt_tokens"]]
+
+
+def test_a_request_too_long_for_the_context_fails_alone(llama_backend):
+    """One conversation of the batch exceeds the slot's context: it fails, the others keep
+    their outputs (structured_batch asks again only for it)."""
+    too_long = [{"role": "user", "content": "word " * 2000}]
+    items = [CONVERSATIONS[0], too_long, CONVERSATIONS[2]]
+    results, died = structured_batch(
+        llama_backend, items, APPRAISAL_SCHEMA, lambda text, _: json.loads(text, strict=False),
+        SamplingParams(temperature=0, max_new_tokens=60, seed=0), max_retries=1, tolerate_errors=True)
+    assert died is None
+    assert results[0].value is not None and results[2].value is not None
+    assert (results[0].attempts, results[2].attempts) == (1, 1)
+    assert results[1].value is None and results[1].attempts == 2
+    assert all("backend error" in f and "HTTP 400" in f for f in results[1].failures)
+
+
+@pytest.mark.timeout(30)
+def test_every_sampling_parameter_is_sent():
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5, seed=1, top_k=0, min_p=0.0,
+                              repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3)
+    with _ScriptedServer() as server, _client(server.url) as client:
+        client.generate(CONVERSATIONS[:1], sampling)
+    body = server.bodies[0]
+    assert {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repeat_penalty",
+                                 "presence_penalty", "frequency_penalty", "max_tokens")} == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.1,
+        "repeat_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.3, "max_tokens": 5}
+    # a hosted API that refuses unknown fields gets OpenAI's own, and a cut it cannot send is an error
+    with _ScriptedServer() as server, _client(server.url, sampling_fields="openai") as client:
+        client.generate(CONVERSATIONS[:1], SamplingParams(temperature=0.7))
+        assert "top_k" not in server.bodies[0] and server.bodies[0]["presence_penalty"] == 0.0
+        with pytest.raises(ValueError, match="top_k=40"):
+            client.generate(CONVERSATIONS[:1], SamplingParams(top_k=40))
