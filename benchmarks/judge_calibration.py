@@ -32,7 +32,7 @@ import numpy as np
 from scipy.stats import spearmanr
 from tqdm.auto import tqdm
 
-from rlver_lib.agreement import lane_order, load_replay, sample_dialogues
+from rlver_lib.agreement import lane_order, load_replay, partial_spearman, sample_dialogues
 from rlver_lib.config import JudgeConfig
 from rlver_lib.io import atomic_write_json
 from rlver_lib.simulator import SimulatorRequest, build_simulator
@@ -47,11 +47,6 @@ def fit_center_scale(scores: np.ndarray, recorded: np.ndarray) -> tuple[float, f
     return center, float(np.std(recorded) / np.std(scores))
 
 
-def _partial_spearman(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> float:
-    rxy, rxz, ryz = (spearmanr(a, b).statistic for a, b in ((x, y), (x, z), (y, z)))
-    return float((rxy - rxz * ryz) / np.sqrt((1 - rxz**2) * (1 - ryz**2)))
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+")
@@ -59,7 +54,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int)
-    parser.add_argument("--answer-order", choices=["yes_no", "no_yes"], default="yes_no")
+    parser.add_argument("--answer-order", choices=["both", "yes_no", "no_yes"], default="both")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -103,7 +98,7 @@ def main(argv=None) -> dict:
         "center": center, "scale": scale,
         "share_negative_recorded": float(np.mean(recorded < 0)),
         "spearman_score_vs_recorded": float(spearmanr(s, recorded).statistic),
-        "partial_spearman_given_emotion_before": _partial_spearman(s, recorded, before),
+        "partial_spearman_given_emotion_before": partial_spearman(s, recorded, before),
         "mean_p_yes": {k: float(np.mean([r[k] for r in ok])) for k in keys},
         "spearman_by_question": {k: float(spearmanr([r[k] for r in ok], recorded).statistic) for k in keys},
         "turns": rows,

@@ -493,9 +493,11 @@ def permutation_test_partial(judge: Sequence[float], recorded: Sequence[float], 
 
 
 def _chain(start: float, changes: Sequence[float]) -> float:
+    from rlver_lib.simulator import apply_change
+
     e = float(start)
     for c in changes:
-        e = min(100.0, max(0.0, e + min(10.0, max(-10.0, float(c)))))
+        e = apply_change(e, float(c))[1]
     return e
 
 

@@ -397,80 +397,14 @@ _VOLATILE_SLOT_FIELDS = frozenset({"id", "id_slot", "id_task", "is_processing", 
 _SERVED: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 
-def _judge_appraisal(judge_cfg: Any) -> str:
-    return str(getattr(judge_cfg, "appraisal", _JUDGE_DEFAULTS["appraisal"]))
-
-
-def _prompt_files(difficulty: str, appraisal: str = "first_person") -> list[str]:
-    """The simulated user's prompt files (``rlver_lib/prompts/sim_*``) a judge of
-    ``difficulty`` and ``appraisal`` mode reads (as :mod:`rlver_lib.simulator` names them):
-    the appraise text and rubric of its sampled mode (``sim_appraise[_sage]_<lang>.txt``,
-    ``sim_difficulty_<difficulty>[_sage]_<lang>.txt``), the checklist of the ``expected``
-    mode (``sim_checklist_*``), and every other ``sim_*`` file (system, vocabulary, reply,
-    opening, and any file added later: a prompt edit must never leave a judge's
-    fingerprint unchanged); no other mode's or difficulty's texts."""
-    folder = resources.files("rlver_lib").joinpath("prompts")
-    names = sorted(entry.name for entry in folder.iterdir() if entry.name.startswith("sim_"))
-    variant = "_sage" if appraisal == "sage" else ""
-    kept = []
-    for name in names:
-        if name.startswith("sim_appraise_"):
-            if appraisal in ("sage", "first_person") and re.fullmatch(rf"sim_appraise{variant}_[a-z]+\.txt", name):
-                kept.append(name)
-        elif name.startswith("sim_difficulty_"):
-            if appraisal in ("sage", "first_person") and re.fullmatch(
-                    rf"sim_difficulty_{re.escape(difficulty)}{variant}_[a-z]+\.txt", name):
-                kept.append(name)
-        elif name.startswith("sim_checklist_"):
-            if appraisal == "expected":
-                kept.append(name)
-        else:
-            kept.append(name)
-    return kept
-
-
-def _prompt_fingerprint(difficulty: str, appraisal: str = "first_person",
-                        files: Sequence[str] | None = None) -> str:
-    """SHA-256 over the prompt files a judge reads: ``files`` (names in
-    ``rlver_lib/prompts``), default :func:`_prompt_files` of ``difficulty`` and ``appraisal``.
-    Each file enters as its name, a NUL byte, its bytes and a NUL byte, in name order."""
+def _prompt_fingerprint(files: Sequence[str]) -> str:
+    """SHA-256 over prompt files (names in ``rlver_lib/prompts``): each enters as its name,
+    a NUL byte, its bytes and a NUL byte, in name order."""
     folder = resources.files("rlver_lib").joinpath("prompts")
     digest = hashlib.sha256()
-    for name in sorted(files if files is not None else _prompt_files(difficulty, appraisal)):
+    for name in sorted(files):
         digest.update(name.encode() + b"\0" + folder.joinpath(name).read_bytes() + b"\0")
     return digest.hexdigest()
-
-
-def _judge_prompt_files(judge_cfg: Any) -> list[str]:
-    """The prompt files of a judge: the simulator's own list when it gives one
-    (``simulator.prompt_files(cfg)``), else :func:`_prompt_files`."""
-    from rlver_lib import simulator
-
-    listed = getattr(simulator, "prompt_files", None)
-    if callable(listed):
-        return sorted(listed(judge_cfg))
-    return _prompt_files(judge_cfg.difficulty, _judge_appraisal(judge_cfg))
-
-
-def _judge_schemas(judge_cfg: Any) -> dict[str, Any]:
-    """The JSON schemas (built in code) a judge sends, by call: the simulator's own
-    list when it gives one (``simulator.structured_schemas(cfg)``), else as
-    :class:`~rlver_lib.simulator.UserSimulator` builds them at the judge's field caps:
-    ``appraise`` (sampled modes), ``reply`` (no ``reasoning`` field after an
-    ``expected`` appraisal) and ``opening``."""
-    from rlver_lib import simulator
-
-    built = getattr(simulator, "structured_schemas", None)
-    if callable(built):
-        return dict(built(judge_cfg))
-    chars = getattr(judge_cfg, "appraisal_chars", simulator.APPRAISAL_FIELD_CHARS)
-    message_chars = getattr(judge_cfg, "message_chars", simulator.MESSAGE_CHARS)
-    appraisal = _judge_appraisal(judge_cfg)
-    schemas = {"reply": simulator.reply_schema(chars, message_chars, reasoning=appraisal != "expected"),
-               "opening": simulator.OPENING_SCHEMA}
-    if appraisal != "expected":
-        schemas["appraise"] = simulator.appraisal_schema(chars, appraisal)
-    return schemas
 
 
 def _schema_fingerprint(schemas: dict[str, Any]) -> str:
@@ -603,16 +537,15 @@ def judge_description(judge_cfg: Any, seed: int, served: dict[str, Any] | None =
     described = {k: kept.pop(k) for k in _JUDGE_FIRST if k in kept}
     described.update(sorted(kept.items()))
     if appraisal == "expected":  # the code's constants of a checklist appraisal
-        from rlver_lib import simulator
+        from rlver_lib.simulator import DIFFICULTY_SHIFT, UserSimulator
 
-        shift = getattr(simulator, "DIFFICULTY_SHIFT", {}).get(judge_cfg.difficulty)
-        top_n = getattr(getattr(simulator, "UserSimulator", None), "TOP_N", None)
-        described.update({k: v for k, v in (("expected_difficulty_shift", shift), ("expected_top_logprobs", top_n))
-                          if v is not None})
-    files = _judge_prompt_files(judge_cfg)
-    described.update(seed=int(seed), prompt_files=files,
-                     prompts_sha256=_prompt_fingerprint(judge_cfg.difficulty, appraisal, files),
-                     schemas_sha256=_schema_fingerprint(_judge_schemas(judge_cfg)))
+        described.update(expected_difficulty_shift=DIFFICULTY_SHIFT[judge_cfg.difficulty],
+                         expected_top_logprobs=UserSimulator.TOP_N)
+    from rlver_lib import simulator
+
+    files = simulator.prompt_files(judge_cfg)
+    described.update(seed=int(seed), prompt_files=files, prompts_sha256=_prompt_fingerprint(files),
+                     schemas_sha256=_schema_fingerprint(simulator.structured_schemas(judge_cfg)))
     if served is None:
         served = _SERVED.get(_served_key(judge_cfg))
     if served is not None:

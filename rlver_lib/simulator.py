@@ -74,6 +74,8 @@ SCALES: dict[str, tuple[int, ...]] = {
 #: Shift of ``expected_center`` (on the P(yes) scale) by difficulty: a harsh user needs a
 #: clearer "yes" for the same change, a lenient one less.
 DIFFICULTY_SHIFT: dict[str, float] = {"easy": -0.05, "moderate": 0.0, "hard": 0.05}
+#: Below this P(yes) of the natural-language guard an expected-value change slides to -10.
+GUARD_FLOOR = 0.5
 
 
 def appraisal_schema(field_chars: int = APPRAISAL_FIELD_CHARS, mode: str = "first_person") -> dict[str, Any]:
@@ -159,15 +161,20 @@ def expected_change(p_content: Sequence[float], p_guard: float, *, center: float
     ``p_content``: P(yes) of each content question (shape (k,), each in [0, 1]);
     ``p_guard``: P(yes) of "is this natural language addressed to you?". The content score
     ``s = mean(p_content)`` moves the emotion by ``scale * (s - center)`` clamped to
-    [-10, 10]; the guard then mixes in the gibberish verdict: ``p_guard * that + (1 -
-    p_guard) * (-10)``. Raises ``ValueError`` on an empty ``p_content`` or a probability
-    outside [0, 1]. This project's design (docs/ARCHITECTURE.md "simulator").
+    [-10, 10]; below :data:`GUARD_FLOOR` the guard slides that towards -10:
+    ``w * content + (1 - w) * (-10)`` with ``w = min(1, p_guard / GUARD_FLOOR)``, so a
+    reply the model more likely than not finds unnatural loses up to the whole scale,
+    and the guard's own bias on natural replies (the embedded 1.5B model answers it
+    with P(yes) 0.55-0.65, docs/MEASURED.md) moves nothing. Raises ``ValueError`` on an
+    empty ``p_content`` or a probability outside [0, 1]. This project's design
+    (docs/ARCHITECTURE.md "simulator").
     """
     probs = [*p_content, p_guard]
     if not p_content or any(not 0.0 <= p <= 1.0 for p in probs):
         raise ValueError(f"need at least one content probability, all in [0, 1]; got {probs}")
     content = max(MIN_CHANGE, min(MAX_CHANGE, scale * (sum(p_content) / len(p_content) - center)))
-    return p_guard * content + (1.0 - p_guard) * MIN_CHANGE
+    weight = min(1.0, p_guard / GUARD_FLOOR)
+    return weight * content + (1.0 - weight) * MIN_CHANGE
 
 
 # ---------------------------------------------------------------------------
@@ -419,6 +426,41 @@ def opening_messages(scenario: Any, emotion: int) -> Conversation:
     ]
 
 
+def prompt_files(sim_cfg: Any) -> list[str]:
+    """The prompt files (names in ``rlver_lib/prompts``) a simulator of this config reads,
+    sorted: the appraise text and rubric of its sampled mode
+    (``sim_appraise[_sage]_<lang>.txt``, ``sim_difficulty_<difficulty>[_sage]_<lang>.txt``),
+    or the checklist of the ``expected`` mode (``sim_checklist_<lang>.json``), and every
+    other ``sim_*`` file (system, vocabulary, reply, opening, and any added later), in
+    both languages; no other mode's or difficulty's texts. A judge's identity
+    fingerprints them (:func:`rlver_lib.evaluation.judge_description`)."""
+    mode = getattr(sim_cfg, "appraisal", "first_person")
+    variant = "_sage" if mode == "sage" else ""
+    own = {"appraise": rf"sim_appraise{variant}_[a-z]+\.txt",
+           "difficulty": rf"sim_difficulty_{re.escape(sim_cfg.difficulty)}{variant}_[a-z]+\.txt",
+           "checklist": r"sim_checklist_[a-z]+\.json"}
+    wanted = ("checklist",) if mode == "expected" else ("appraise", "difficulty")
+    names = sorted(e.name for e in resources.files("rlver_lib").joinpath("prompts").iterdir()
+                   if e.name.startswith("sim_"))
+    kept = []
+    for name in names:
+        kind = next((k for k in own if name.startswith(f"sim_{k}_")), None)
+        if kind is None or (kind in wanted and re.fullmatch(own[kind], name)):
+            kept.append(name)
+    return kept
+
+
+def structured_schemas(sim_cfg: Any) -> dict[str, dict[str, Any]]:
+    """The JSON schemas a simulator of this config sends, by call: ``appraise`` (sampled
+    modes only), ``reply`` (no ``reasoning`` after an ``expected`` appraisal), ``opening``."""
+    mode = getattr(sim_cfg, "appraisal", "first_person")
+    schemas = {"reply": reply_schema(sim_cfg.appraisal_chars, sim_cfg.message_chars, reasoning=mode != "expected"),
+               "opening": OPENING_SCHEMA}
+    if mode != "expected":
+        schemas["appraise"] = appraisal_schema(sim_cfg.appraisal_chars, mode)
+    return schemas
+
+
 # ---------------------------------------------------------------------------
 # parsing structured outputs
 
@@ -575,7 +617,7 @@ class UserSimulator:
                 raise ValueError(f"{request.dialogue_id}: history must end with the policy reply")
         mode = self.cfg.appraisal
         if mode == "expected":
-            render = lambda r: checklist_messages(r, checklist(r.scenario)[-1], self.cfg.expected_answer_order)  # noqa: E731
+            render = lambda r: checklist_messages(r, checklist(r.scenario)[-1])  # noqa: E731
             new_tokens = 64  # one answer token, and room for the longest question of the checklist
         else:
             render = lambda r: appraise_messages(r, self.cfg.difficulty, mode)  # noqa: E731
@@ -601,58 +643,78 @@ class UserSimulator:
         return fitted, dropped, appraisals, updated, logs
 
     def _checklist_appraisals(self, requests: Sequence[SimulatorRequest]) -> tuple[list[Any], list[StructuredResult]]:
-        """The expected-value appraisal of each request: every checklist question sent in
-        one batched ``next_token_logprobs`` call, a failed request asked again at most
-        ``max_retries`` times; a request whose question stays unanswered fails."""
+        """The expected-value appraisal of each request.
+
+        One round per (question, answer order): each round sends that question about
+        every request in one batched ``next_token_logprobs`` call, so a server that keeps
+        one dialogue per slot re-reads only the question (the transcript before it is the
+        slot's cached prefix). A failed request is asked again at most ``max_retries``
+        times within its round; a request with a question still unanswered fails."""
         questions = [checklist(r.scenario) for r in requests]
-        items = [(i, q) for i, qs in enumerate(questions) for q in qs]
-        convs = [checklist_messages(requests[i], q, self.cfg.expected_answer_order) for i, q in items]
-        tops: list[dict[str, float] | None] = [None] * len(items)
+        orders = ("yes_no", "no_yes") if self.cfg.expected_answer_order == "both" else (
+            self.cfg.expected_answer_order,)
         logs = [StructuredResult() for _ in requests]
-        pending = list(range(len(items)))
-        for attempt in range(self.cfg.max_retries + 1):
-            if not pending or self.fatal_error:
-                break
-            try:
-                got = self.backend.next_token_logprobs([convs[k] for k in pending], self.TOP_N)
-                errors: list[str | None] = [None] * len(pending)
-            except BackendError as err:
-                if isinstance(err, BackendDied):
-                    self.fatal_error = str(err)
-                got = err.results if err.results is not None and len(err.results) == len(pending) else [None] * len(pending)
-                errors = err.errors or [str(err)] * len(pending)
-            still = []
-            for k, top, error in zip(pending, got, errors):
-                log = logs[items[k][0]]
-                log.attempts += 1
-                if top is None:
-                    log.failures.append(f"appraise attempt {attempt + 1}: {items[k][1].key}: {error}")
-                    still.append(k)
-                else:
-                    tops[k] = top
-            pending = still
+        answers: list[dict[tuple[str, str], dict[str, float]]] = [{} for _ in requests]
+        for j in range(max(len(qs) for qs in questions)):
+            for order in orders:
+                asked = [i for i, qs in enumerate(questions) if j < len(qs)]
+                convs = {i: checklist_messages(requests[i], questions[i][j], order) for i in asked}
+                for i, top in self._score_round(convs, logs, f"{order}:{j}").items():
+                    answers[i][(questions[i][j].key, order)] = top
         results: list[Any] = [None] * len(requests)
-        by_request: dict[int, list[tuple[ChecklistQuestion, dict[str, float]]]] = {}
-        for (i, q), top in zip(items, tops):
-            if top is not None:
-                logs[i].raw_outputs.append(json.dumps({q.key: top}, ensure_ascii=False))
-            by_request.setdefault(i, []).append((q, top))
-        for i, answered in by_request.items():
-            if any(top is None for _, top in answered):
+        for i, request in enumerate(requests):
+            for (key, order), top in answers[i].items():
+                logs[i].raw_outputs.append(json.dumps({"question": key, "order": order, "top_logprobs": top},
+                                                      ensure_ascii=False))
+            if len(answers[i]) < len(questions[i]) * len(orders):
                 continue
             try:
-                results[i] = self._expected(requests[i], answered)
+                results[i] = self._expected(questions[i], orders, answers[i])
             except UnusableOutput as err:
                 logs[i].failures.append(f"appraise: {err}")
         return results, logs
 
-    def _expected(self, request: SimulatorRequest,
-                  answered: list[tuple[ChecklistQuestion, dict[str, float]]]) -> dict[str, Any]:
-        """The appraisal record of one request from its answered checklist."""
-        rows = [{"key": q.key, "question": q.text, "p_yes": answer_probability(top, ("yes", "是"), ("no", "否")),
-                 "top_logprobs": top} for q, top in answered]
-        content = [row["p_yes"] for row, (q, _) in zip(rows, answered) if not q.guard]
-        guard = next(row["p_yes"] for row, (q, _) in zip(rows, answered) if q.guard)
+    def _score_round(self, convs: dict[int, Conversation], logs: list[StructuredResult],
+                     name: str) -> dict[int, dict[str, float]]:
+        """``next_token_logprobs`` of each conversation (keyed by request index), with
+        bounded retries of the failed ones; failures are logged per request."""
+        got: dict[int, dict[str, float]] = {}
+        pending = list(convs)
+        for attempt in range(self.cfg.max_retries + 1):
+            if not pending or self.fatal_error:
+                break
+            try:
+                tops = self.backend.next_token_logprobs([convs[i] for i in pending], self.TOP_N)
+                errors: list[str | None] = [None] * len(pending)
+            except BackendError as err:
+                if isinstance(err, BackendDied):
+                    self.fatal_error = str(err)
+                complete = err.results is not None and len(err.results) == len(pending)
+                tops = err.results if complete else [None] * len(pending)
+                errors = err.errors if complete and err.errors else [str(err)] * len(pending)
+            still = []
+            for i, top, error in zip(pending, tops, errors):
+                logs[i].attempts += 1
+                if top is None:
+                    logs[i].failures.append(f"appraise {name} attempt {attempt + 1}: {error}")
+                    still.append(i)
+                else:
+                    got[i] = top
+            pending = still
+        return got
+
+    def _expected(self, questions: list[ChecklistQuestion], orders: Sequence[str],
+                  answers: dict[tuple[str, str], dict[str, float]]) -> dict[str, Any]:
+        """The appraisal record of one request from its answered checklist: per question
+        P(yes) in each answer order and their mean (the order's position bias cancels)."""
+        rows = []
+        for q in questions:
+            by_order = {o: answer_probability(answers[(q.key, o)], ("yes", "是"), ("no", "否")) for o in orders}
+            rows.append({"key": q.key, "question": q.text, "p_yes": sum(by_order.values()) / len(by_order),
+                         "p_yes_by_order": by_order,
+                         "top_logprobs": {o: answers[(q.key, o)] for o in orders}})
+        content = [row["p_yes"] for row, q in zip(rows, questions) if not q.guard]
+        guard = next(row["p_yes"] for row, q in zip(rows, questions) if q.guard)
         center = self.cfg.expected_center + DIFFICULTY_SHIFT[self.cfg.difficulty]
         change = expected_change(content, guard, center=center, scale=self.cfg.expected_scale)
         return {"mode": "expected", "checklist": rows, "content_score": sum(content) / len(content),

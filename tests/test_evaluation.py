@@ -616,7 +616,6 @@ def test_judge_prompt_fingerprint_covers_the_files_of_its_mode_and_difficulty(mo
     from rlver_lib import evaluation, simulator
 
     monkeypatch.setattr(evaluation, "_SERVED", {})
-    monkeypatch.delattr(simulator, "prompt_files", raising=False)  # the file rule of evaluation itself
     sage = evaluation.judge_description(_judge_ns(appraisal="sage"), seed=0)
     files = set(sage["prompt_files"])
     assert {"sim_appraise_sage_en.txt", "sim_appraise_sage_zh.txt", "sim_difficulty_moderate_sage_en.txt",
@@ -637,26 +636,15 @@ def test_judge_prompt_fingerprint_covers_the_files_of_its_mode_and_difficulty(mo
     hard = evaluation.judge_description(_judge_ns(appraisal="sage", difficulty="hard"), seed=0)
     assert "sim_difficulty_hard_sage_en.txt" in hard["prompt_files"]
     assert hard["prompts_sha256"] != sage["prompts_sha256"]
-    # a simulator that lists the files it reads is believed
-    monkeypatch.setattr(simulator, "prompt_files", lambda cfg: ["sim_system_en.txt", "sim_vocab_en.json"],
-                        raising=False)
-    listed = evaluation.judge_description(_judge_ns(), seed=0)
-    assert listed["prompt_files"] == ["sim_system_en.txt", "sim_vocab_en.json"]
-    assert listed["prompts_sha256"] == _sha_of_files(["sim_system_en.txt", "sim_vocab_en.json"])
+    # the simulator's own list is what is recorded
+    assert sage["prompt_files"] == simulator.prompt_files(_judge_ns(appraisal="sage"))
 
 
 def test_judge_schema_fingerprint_is_the_schemas_built_in_code(monkeypatch):
     from rlver_lib import evaluation, simulator
 
     monkeypatch.setattr(evaluation, "_SERVED", {})
-    schemas = {"appraise": {"type": "object", "properties": {"change": {"enum": [-10, -5, 0, 5, 10]}}},
-               "reply": {"type": "object", "properties": {"message": {"type": "string", "maxLength": 7}}}}
-    monkeypatch.setattr(simulator, "structured_schemas", lambda cfg: schemas, raising=False)
-    d = evaluation.judge_description(_judge_ns(), seed=0)
-    canonical = json.dumps(schemas, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    assert d["schemas_sha256"] == _hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-    monkeypatch.delattr(simulator, "structured_schemas")
-    # without that list: the reply schema follows the field caps, so a cap is part of the fingerprint
+    # the reply schema follows the field caps, so a cap is part of the fingerprint
     assert (evaluation.judge_description(_judge_ns(message_chars=300), seed=0)["schemas_sha256"]
             != evaluation.judge_description(_judge_ns(message_chars=301), seed=0)["schemas_sha256"])
     first = evaluation.judge_description(_judge_ns(appraisal="first_person", appraisal_chars=50), seed=0)

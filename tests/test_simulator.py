@@ -356,6 +356,7 @@ import math  # noqa: E402
 from rlver_lib.backends import BackendError as _BackendError  # noqa: E402
 from rlver_lib.backends import UnusableOutput, answer_probability  # noqa: E402
 from rlver_lib.simulator import (  # noqa: E402
+    GUARD_FLOOR,
     checklist,
     checklist_messages,
     expected_change,
@@ -383,7 +384,8 @@ class ScriptedScorer(ScriptedBackend):
                 out.append(None)
                 errors.append(f"HTTP 400: {key} too long")
                 continue
-            p = self.p_yes[key]
+            # a position bias: the answer named first gains 0.05, which averaging both orders cancels
+            p = self.p_yes[key] + (-0.05 if "no or yes" in conv[-1]["content"] else 0.05) * (0 < self.p_yes[key] < 1)
             # 10 % of the mass on an unrelated token: P(yes | yes or no) must renormalise it away
             top = {"Yes": 0.9 * p, " no": 0.9 * (1 - p), "The": 0.1}
             out.append({token: math.log(q) for token, q in top.items() if q > 0})
@@ -405,8 +407,10 @@ def test_answer_probability_sums_variants_and_renormalises():
 
 
 def test_expected_change_by_hand():
-    # s = (0.9 + 0.7) / 2 = 0.8; 50 * (0.8 - 0.6) = 10 (at the cap); guard 0.9: 0.9 * 10 + 0.1 * -10 = 8
-    assert expected_change([0.9, 0.7], 0.9, center=0.6, scale=50.0) == pytest.approx(8.0)
+    # s = (0.9 + 0.7) / 2 = 0.8; 50 * (0.8 - 0.6) = 10 (at the cap); guard 0.9 >= 0.5: untouched
+    assert expected_change([0.9, 0.7], 0.9, center=0.6, scale=50.0) == pytest.approx(10.0)
+    # guard 0.2: weight 0.2 / 0.5 = 0.4: 0.4 * 10 + 0.6 * -10 = -2
+    assert expected_change([0.9, 0.7], 0.2, center=0.6, scale=50.0) == pytest.approx(-2.0)
     # below the center: 50 * (0.5 - 0.6) = -5; guard 1: -5
     assert expected_change([0.5], 1.0, center=0.6, scale=50.0) == pytest.approx(-5.0)
     # gibberish: guard 0 -> -10 whatever the content
@@ -436,14 +440,20 @@ def test_checklist_has_the_intention_question_and_the_guard():
 def test_expected_appraisal_reads_probabilities_and_updates_by_hand():
     sc = scenario()
     backend = ScriptedScorer({"on_situation": 0.8, "understood": 0.7, "intention": 0.9, "guard": 0.95}).bind(sc)
+    assert GUARD_FLOOR < 0.95
     [turn] = UserSimulator(backend, EXPECTED, seed=0).step([request(emotion=50)])
-    # s = 0.8; 50 * (0.8 - 0.6) = 10; 0.95 * 10 + 0.05 * -10 = 9.0
-    assert turn.change == pytest.approx(9.0) and turn.emotion == pytest.approx(59.0)
+    # s = 0.8; 50 * (0.8 - 0.6) = 10; the guard (0.95) is above its floor
+    assert turn.change == pytest.approx(10.0) and turn.emotion == pytest.approx(60.0)
     assert turn.appraisal["content_score"] == pytest.approx(0.8)
     rows = {r["key"]: r for r in turn.appraisal["checklist"]}
-    assert rows["intention"]["p_yes"] == pytest.approx(0.9) and "Yes" in rows["intention"]["top_logprobs"]
-    # the whole distribution is kept, in the raw outputs too; four questions in one batched call
-    assert len(backend.scored) == 4 and len(turn.raw_outputs) == 5  # 4 distributions + the reply
+    assert rows["intention"]["p_yes"] == pytest.approx(0.9)
+    assert rows["intention"]["p_yes_by_order"] == pytest.approx({"yes_no": 0.95, "no_yes": 0.85})
+    assert "Yes" in rows["intention"]["top_logprobs"]["no_yes"]
+    # the whole distribution is kept, in the raw outputs too: four questions, each in both orders
+    assert len(backend.scored) == 8 and len(turn.raw_outputs) == 9  # 8 distributions + the reply
+    # one round per (question, order): a round asks one question about every request
+    assert [k for k, _ in backend.scored] == [k for k in ("on_situation", "understood", "intention", "guard")
+                                              for _ in range(2)]
     # after a checklist the reply schema has no reasoning field and its prompt shows the answers
     reply_call = backend.calls[-1]
     assert "reasoning" not in reply_call[2]["properties"]
@@ -480,7 +490,7 @@ def test_expected_appraisal_failed_question_fails_only_its_turn():
     turns = UserSimulator(backend, EXPECTED.model_copy(update={"max_retries": 1}), seed=0).appraise([a, b])
     assert turns[0].error is None and turns[0].change == pytest.approx(10.0)
     assert turns[1].change is None and "HTTP 400: context" in turns[1].error
-    assert turns[1].attempts == 8  # four questions, each sent twice (one retry)
+    assert turns[1].attempts == 16  # four questions in two orders, each sent twice (one retry)
 
 
 def test_expected_mode_refuses_a_backend_without_logprobs():
