@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int)
-    parser.add_argument("--answer-order", choices=["both", "yes_no", "no_yes"], default="both")
+    parser.add_argument("--answer-order", choices=["yes_no", "no_yes", "both"], default="yes_no")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 

@@ -23,6 +23,7 @@ Nothing like this exists in SAGE or RLVER; docs/ARCHITECTURE.md ("evaluation").
 
 from __future__ import annotations
 
+import json
 import numbers
 import sys
 from dataclasses import dataclass
@@ -218,13 +219,15 @@ def _usable_change(result: Any) -> tuple[int | float | None, str | None]:
 
 def appraise_turns(simulator: Any, turns: Sequence[ReplayTurn], scenarios: dict[str, Any], *,
                    batch_size: int = 8, progress: bool = True, desc: str = "judge appraisals",
-                   errors: list[str | None] | None = None) -> list[int | float | None]:
+                   errors: list[str | None] | None = None,
+                   dropped: list[int] | None = None) -> list[int | float | None]:
     """Our judge's change (after the update rule's clamp; emotion points) for each turn.
 
     Returns a list aligned with ``turns``: an ``int`` or, for a real-valued appraisal, a
     ``float``; ``None`` where the appraisal failed for any reason (see
     :func:`_usable_change`), its reason appended to ``errors`` when given (``None`` for the
-    turns that worked).  Uses ``simulator.appraise`` (appraisal only) when it has one, else
+    turns that worked), and to ``dropped`` the messages left out of the judge's prompt to
+    fit its context (:func:`rlver_lib.simulator.fit_history`; 0 for most turns).  Uses ``simulator.appraise`` (appraisal only) when it has one, else
     ``simulator.step``; ``batch_size`` requests per call, in :func:`lane_order` (one turn
     per dialogue per call, each dialogue's turns in order), with a progress bar.
 
@@ -238,6 +241,7 @@ def appraise_turns(simulator: Any, turns: Sequence[ReplayTurn], scenarios: dict[
     call: Callable[[list[Any]], list[Any]] = getattr(simulator, "appraise", None) or simulator.step
     changes: list[int | float | None] = [None] * len(turns)
     reasons: list[str | None] = [None] * len(turns)
+    left_out = [0] * len(turns)
 
     def run(batch: list[int]) -> None:
         requests = [SimulatorRequest(f"{turns[i].dialogue}@{turns[i].turn}", scenarios[turns[i].dialogue],
@@ -257,6 +261,7 @@ def appraise_turns(simulator: Any, turns: Sequence[ReplayTurn], scenarios: dict[
             raise ValueError("the judge's results do not match the requested turns")
         for i, request in zip(batch, requests):
             changes[i], reasons[i] = _usable_change(results[request.dialogue_id])
+            left_out[i] = getattr(results[request.dialogue_id], "history_dropped", 0)
 
     with tqdm(total=len(turns), desc=desc, unit="turn", disable=not progress) as bar:
         for batch in lane_order(turns, batch_size):
@@ -264,6 +269,8 @@ def appraise_turns(simulator: Any, turns: Sequence[ReplayTurn], scenarios: dict[
             bar.update(len(batch))
     if errors is not None:
         errors.extend(reasons)
+    if dropped is not None:
+        dropped.extend(left_out)
     return changes
 
 
@@ -565,8 +572,9 @@ def judge_agreement(turns: Sequence[ReplayTurn], scenarios: dict[str, Any], simu
     - ``baselines``: :func:`baseline_metrics` of the reply-blind predictors on the same turns;
     - ``retest`` (only when a second judge ``retest`` is given, e.g. the same judge with
       another seed): :func:`retest_noise` of the two runs, with ``n_failed`` of the second;
+    - ``n_history_shortened``: turns whose prompt was shortened to fit the judge's context;
     - ``turns``: one row per turn: ``dialogue, turn, emotion_before, recorded,
-      reply_chars, judge, error`` (and ``judge_retest``, ``error_retest``).
+      reply_chars, judge, error, history_dropped`` (and ``judge_retest``, ``error_retest``).
 
     Figures that cannot be computed (a correlation of constant values, a partial
     correlation of fewer than 3 turns) are ``None``.  Raises ``ValueError`` when no turn
@@ -576,7 +584,9 @@ def judge_agreement(turns: Sequence[ReplayTurn], scenarios: dict[str, Any], simu
     if not turns:
         raise ValueError("judge_agreement: no replayable turns")
     errors: list[str | None] = []
-    ours = appraise_turns(simulator, turns, scenarios, batch_size=batch_size, progress=progress, errors=errors)
+    dropped: list[int] = []
+    ours = appraise_turns(simulator, turns, scenarios, batch_size=batch_size, progress=progress, errors=errors,
+                          dropped=dropped)
     ok = [i for i, c in enumerate(ours) if c is not None]
     if not ok:
         first = next((e for e in errors if e), "unknown")
@@ -590,6 +600,7 @@ def judge_agreement(turns: Sequence[ReplayTurn], scenarios: dict[str, Any], simu
     boot = dict(n_boot=n_boot, confidence=confidence, seed=seed)
     result = agreement_metrics(recorded, judged, clusters, **boot)
     result["n_failed"] = len(turns) - len(ok)
+    result["n_history_shortened"] = sum(d > 0 for d in dropped)
     j, r, z = (np.asarray(v, dtype=float) for v in (judged, recorded, before))
     est = cluster_bootstrap(lambda idx: partial_spearman(j[idx], r[idx], z[idx]), len(ok), clusters, **boot)
     result["partial_spearman"] = _finite(est.value)
@@ -599,8 +610,9 @@ def judge_agreement(turns: Sequence[ReplayTurn], scenarios: dict[str, Any], simu
     result["permutation_resamples"] = int(permutation_resamples)
     result["baselines"] = baseline_metrics(recorded, kept, clusters, **boot)
     rows = [{"dialogue": t.dialogue, "turn": t.turn, "emotion_before": t.emotion_before,
-             "recorded": t.recorded_change, "reply_chars": len(t.history[-1]["content"]), "judge": c, "error": e}
-            for t, c, e in zip(turns, ours, errors)]
+             "recorded": t.recorded_change, "reply_chars": len(t.history[-1]["content"]), "judge": c, "error": e,
+             "history_dropped": d}
+            for t, c, e, d in zip(turns, ours, errors, dropped)]
     if retest is not None:
         errors_b: list[str | None] = []
         again = appraise_turns(retest, turns, scenarios, batch_size=batch_size, progress=progress,
@@ -642,8 +654,9 @@ def format_report(result: dict[str, Any]) -> str:
     neg = result["share_negative"]
     p = result["permutation_p"]
     lines = [f"judge agreement over {result['n_turns']} turns of {result['n_dialogues']} dialogues "
-             f"({result['n_failed']} appraisal(s) failed, left out); every row on the same turns; "
-             "intervals resample dialogues",
+             f"({result['n_failed']} appraisal(s) failed, left out; "
+             f"{result.get('n_history_shortened', 0)} prompt(s) shortened to fit the judge's context); "
+             "every row on the same turns; intervals resample dialogues",
              pd.DataFrame(rows).to_string(index=False),
              f"judge: Pearson {_fmt(result['pearson'], result['pearson_ci']) or 'n/a'}; partial Spearman given "
              f"the emotion before {_fmt(result['partial_spearman'], result['partial_spearman_ci']) or 'n/a'}, "
@@ -666,9 +679,10 @@ def format_report(result: dict[str, Any]) -> str:
 def judge_agreement_command(files: Sequence[str], *, params: str | None = None, overrides: Sequence[str] = (),
                             sample: int | None = None, dialogues: int | None = None, seed: int = 0,
                             json_out: str | None = None, progress: bool = True,
-                            permutations: int = N_PERMUTATIONS, retest_seed: int | None = None) -> int:
+                            permutations: int = N_PERMUTATIONS, retest_seed: int | None = None,
+                            exclude_profiles: str | None = None) -> int:
     """``rlver judge-agreement FILE ... [--params P] [--set k=v ...] [--sample N] [--dialogues D]
-    [--seed S] [--permutations B] [--retest-seed R] [--json OUT]``.
+    [--seed S] [--permutations B] [--retest-seed R] [--exclude-profiles JSON] [--json OUT]``.
 
     The judge assessed is ``evaluation.judge`` of the params (default settings when no
     ``--params``) with the ``--set`` overrides.  ``--sample``: turns drawn at random
@@ -676,8 +690,10 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
     (applied first, when both are given); ``--permutations``: resamples of the
     permutation test (seed ``--seed``); ``--retest-seed``: replay the same turns a second
     time with the judge seeded R (``evaluation.judge.seed=R``) and report the test-retest
-    noise (:func:`retest_noise`); ``--json``: write the :func:`judge_agreement` result to
-    OUT.  Returns 0, or 2 after printing the error when a file is missing or bad (a bad
+    noise (:func:`retest_noise`); ``--exclude-profiles``: leave out every dialogue whose
+    SAGE profile (record id) appears in the ``turns`` of an earlier result JSON (this
+    command's, or the calibration benchmark's), so figures come from profiles that chose
+    nothing; ``--json``: write the :func:`judge_agreement` result to OUT.  Returns 0, or 2 after printing the error when a file is missing or bad (a bad
     config raises :class:`rlver_lib.config.ConfigError`).
     """
     from rlver_lib.config import build_config, load_config
@@ -693,8 +709,11 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
     retest_cfg = config([f"evaluation.judge.seed={retest_seed}"]) if retest_seed is not None else None
     try:
         turns, scenarios = load_replay(files)
+        if exclude_profiles:
+            used = {row["dialogue"].rsplit(":", 1)[-1] for row in json.loads(Path(exclude_profiles).read_text())["turns"]}
+            turns = [t for t in turns if t.record_id not in used]
         chosen = sample_turns(sample_dialogues(turns, dialogues, seed), sample, seed)
-    except (FileNotFoundError, JsonlError, ScenarioFileError, ValueError) as err:
+    except (FileNotFoundError, JsonlError, ScenarioFileError, ValueError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not chosen:
@@ -719,6 +738,7 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
                                                       judge_seed(retest_cfg.evaluation, retest_cfg.seed))
     result = {"judge": judge_description(cfg.evaluation.judge, judge_seed(cfg.evaluation, cfg.seed)),
               "files": [str(f) for f in files], "sample": sample, "dialogues": dialogues, "seed": seed,
+              "exclude_profiles": exclude_profiles,
               "n_available_turns": len(turns), **result}
     print(format_report(result))
     if json_out:

@@ -78,7 +78,7 @@ def _cmd_judge_agreement(args: argparse.Namespace) -> int:
     return judge_agreement_command(args.files, params=args.params, overrides=args.set, sample=args.sample,
                                    dialogues=args.dialogues, seed=args.seed, json_out=args.json,
                                    progress=not args.no_progress, permutations=args.permutations,
-                                   retest_seed=args.retest_seed)
+                                   retest_seed=args.retest_seed, exclude_profiles=args.exclude_profiles)
 
 
 def _cmd_sage_score(args: argparse.Namespace) -> int:
@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "noise of a dialogue's final emotion (doubles the judge's work)")
     agree.add_argument("--json", default=None, metavar="OUT", help="write the figures as JSON to OUT")
     agree.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    agree.add_argument("--exclude-profiles", default=None, metavar="JSON",
+                       help="leave out the SAGE profiles in the turns of an earlier result JSON (e.g. the "
+                            "calibration's), so the figures come from profiles that chose nothing")
     agree.set_defaults(func=_cmd_judge_agreement)
 
     scen = sub.add_parser("scenarios", help="scenario files").add_subparsers(

@@ -123,9 +123,10 @@ class SimulatorConfig(_Strict):
     (-10, -5, 0, +5, +10) from a third-person analyser; ``first_person`` samples the
     older first-person JSON appraisal with an integer change in [-10, 10].
     ``expected_answer_order``: the order the two answers are named in each question:
-    ``both`` (default) asks each question twice, "yes or no" and "no or yes", and averages
-    P(yes), so a small model's preference for the first-named answer cancels (measured:
-    docs/MEASURED.md); ``yes_no`` or ``no_yes`` ask once (the control). The sampling cuts
+    ``yes_no`` (default) or ``no_yes`` ask once; ``both`` asks twice and averages P(yes).
+    The embedded 1.5B model prefers whichever answer is named first, a near-constant shift
+    that ``expected_center`` absorbs; its "no or yes" answers barely tell replies apart, so
+    asking both orders doubles the cost for little (measured: docs/MEASURED.md). The sampling cuts
     ``top_k``, ``min_p`` and the penalties are sent with every request
     (:class:`SamplingParams`).
     """
@@ -151,7 +152,7 @@ class SimulatorConfig(_Strict):
     appraisal: Literal["expected", "sage", "first_person"] = "expected"
     expected_center: float = Field(0.75, ge=0.0, le=1.0)
     expected_scale: float = Field(40.0, gt=0)
-    expected_answer_order: Literal["both", "yes_no", "no_yes"] = "both"
+    expected_answer_order: Literal["yes_no", "no_yes", "both"] = "yes_no"
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)

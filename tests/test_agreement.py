@@ -494,3 +494,23 @@ def test_cli_rule_judge_on_stored_sage_dialogues(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "baseline: constant +5" in printed and "permutation p" in printed and "test-retest" in printed
     assert main(["judge-agreement", str(tmp_path / "missing.jsonl"), "--set", "evaluation.judge.backend=rule"]) == 2
+
+
+def test_exclude_profiles_leaves_out_the_profiles_of_an_earlier_result(tmp_path, monkeypatch):
+    """Figures from profiles that chose nothing: a dialogue whose SAGE profile (record id)
+    is in an earlier result's turns is never replayed."""
+    from rlver_lib import agreement
+
+    path = tmp_path / "gpt_result.jsonl"
+    path.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in TWO), encoding="utf-8")
+    turns, _ = agreement.load_replay([path])
+    first = turns[0].record_id
+    earlier = tmp_path / "calibration.json"
+    earlier.write_text(json.dumps({"turns": [{"dialogue": f"other_result.jsonl:{first}"}]}))
+    seen = []
+    monkeypatch.setattr(agreement, "judge_agreement",
+                        lambda chosen, *a, **k: seen.extend(chosen) or (_ for _ in ()).throw(ValueError("stop")))
+    assert agreement.judge_agreement_command([str(path)], overrides=["evaluation.judge.backend=rule"],
+                                             exclude_profiles=str(earlier)) == 2
+    assert seen and all(t.record_id != first for t in seen)
+    assert {t.record_id for t in turns} - {t.record_id for t in seen} == {first}

@@ -364,7 +364,8 @@ from rlver_lib.simulator import (  # noqa: E402
     shorten_history,
 )
 
-EXPECTED = SimulatorConfig(appraisal="expected", expected_center=0.6, expected_scale=50.0)
+EXPECTED = SimulatorConfig(appraisal="expected", expected_center=0.6, expected_scale=50.0,
+                           expected_answer_order="both")
 
 
 class ScriptedScorer(ScriptedBackend):
@@ -459,6 +460,17 @@ def test_expected_appraisal_reads_probabilities_and_updates_by_hand():
     assert "reasoning" not in reply_call[2]["properties"]
     assert "(0.90)" in reply_call[0][0][1]["content"]
     assert turn.reply == "Hm." and turn.error is None
+
+
+def test_expected_appraisal_in_one_answer_order_keeps_its_bias():
+    sc = scenario()
+    probs = {"on_situation": 0.7, "understood": 0.7, "intention": 0.7, "guard": 1.0}
+    one = EXPECTED.model_copy(update={"expected_answer_order": "no_yes"})
+    backend = ScriptedScorer(probs).bind(sc)
+    [turn] = UserSimulator(backend, one, seed=0).appraise([request()])
+    # only "no or yes" asked: P(yes) 0.7 - 0.05 = 0.65 per question; 50 * (0.65 - 0.6) = 2.5
+    assert len(backend.scored) == 4 and turn.change == pytest.approx(2.5)
+    assert all("no or yes" in conv[-1]["content"] for _, conv in backend.scored)
 
 
 def test_expected_appraisal_difficulty_moves_the_center():
