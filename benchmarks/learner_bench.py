@@ -7,6 +7,18 @@ the process's peak resident memory after each side (RSS is a running maximum, so
 the second figure includes the first; ours runs first).
 
     OMP_NUM_THREADS=2 python benchmarks/learner_bench.py --batch 8 --prompt 64 --completion 32
+
+``--learner-memory RECIPE`` measures instead the peak memory of the trainer's own learner
+step at the longest sequence a recipe allows (``policy.max_context_tokens +
+policy.max_new_tokens`` tokens, the last ``max_new_tokens`` of them policy tokens), with
+the recipe's LoRA, dtype, gradient checkpointing and loss coefficients on the embedded
+policy: scoring the old log-probs (no gradient), then one micro-batch's forward,
+backward and optimizer step (``trainer.micro_batch_loss``). Each phase's peak is the
+process's resident memory sampled every millisecond, minus its level before the phase.
+It uses only functions the trainer had before the chunked log-probs, so the same script
+measures an older checkout (``PYTHONPATH=<old checkout>``):
+
+    OMP_NUM_THREADS=2 python benchmarks/learner_bench.py --learner-memory params/paper-ppo-think-moderate.yaml
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import argparse
 import resource
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -110,16 +123,118 @@ def bench_trl(args, inputs) -> tuple[float, float]:
     return _timed(update, args.repeats), _peak_rss_mb()
 
 
+class _PeakRSS:
+    """Resident memory of this process sampled every ``interval_s`` in a thread while in
+    the ``with`` block; ``peak_mb`` is the largest level above the level at entry."""
+
+    def __init__(self, interval_s: float = 0.001):
+        self.interval_s = interval_s
+
+    @staticmethod
+    def _rss_mb() -> float:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+    def __enter__(self):
+        import threading
+
+        self.base = self._rss_mb()
+        self.peak = self.base
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.is_set():
+                self.peak = max(self.peak, self._rss_mb())
+                self._stop.wait(self.interval_s)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss_mb())
+        self.peak_mb = self.peak - self.base
+
+
+def learner_memory(args) -> dict:
+    """Peak memory of the learner step at the recipe's longest sequence (see the module docstring)."""
+    import gc
+
+    import rlver_lib
+    from rlver_lib import trainer as learner
+    from rlver_lib.config import EMBEDDED_POLICY, load_config
+
+    cfg = load_config(args.learner_memory, {"policy.model": EMBEDDED_POLICY, "policy.backend": "transformers",
+                                            "policy.dtype": args.dtype_memory})
+    torch.manual_seed(args.seed)
+    model, tokenizer = learner.build_model(cfg)
+    length = cfg.policy.max_context_tokens + cfg.policy.max_new_tokens
+    policy_tokens = cfg.policy.max_new_tokens
+    g = torch.Generator().manual_seed(args.seed)
+    samples = []
+    for i in range(args.batch):
+        ids = torch.randint(0, model.policy.config.vocab_size, (length,), generator=g)
+        mask = torch.zeros(length - 1)
+        mask[length - 1 - policy_tokens:] = 1.0
+        samples.append(learner._Sample(f"d{i}", "g", 0, ids, mask))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    gc.collect()
+    with _PeakRSS() as scoring:
+        start = time.perf_counter()
+        learner.score_old(model, samples, batch_size=args.batch, pad_id=pad, device=torch.device("cpu"),
+                          reference=cfg.training.kl_coef > 0)
+        scoring_s = time.perf_counter() - start
+    for s in samples:
+        s.advantages = s.mask * torch.randn(s.mask.shape, generator=g)
+        s.returns = s.mask * torch.rand(s.mask.shape, generator=g)
+        if s.old_values is None:
+            s.old_values = torch.zeros_like(s.mask)
+    optimizer = torch.optim.AdamW(learner.optimizer_groups(model, cfg.training))
+    batch = learner._collate(samples, pad, torch.device("cpu"))
+    tokens, rows = float(batch["mask"].sum()), float(len(samples))
+    model.train()
+    gc.collect()
+    with _PeakRSS() as update:
+        start = time.perf_counter()
+        loss, _ = learner.micro_batch_loss(model, batch, cfg.training, max_new_tokens=cfg.policy.max_new_tokens,
+                                           tokens=tokens, rows=rows)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        update_s = time.perf_counter() - start
+    return {"recipe": str(args.learner_memory), "rlver_lib": str(Path(rlver_lib.__file__).parent),
+            "algorithm": cfg.training.algorithm, "dtype": cfg.policy.dtype,
+            "gradient_checkpointing": cfg.training.gradient_checkpointing,
+            "entropy_coef": cfg.training.entropy_coef, "lora_r": cfg.policy.lora.r,
+            "vocab": model.policy.config.vocab_size, "samples": len(samples), "sequence_tokens": length,
+            "policy_tokens_per_sample": policy_tokens, "threads": torch.get_num_threads(),
+            "score_old_peak_mb": round(scoring.peak_mb, 1), "score_old_s": round(scoring_s, 1),
+            "update_peak_mb": round(update.peak_mb, 1), "update_s": round(update_s, 1),
+            "process_peak_rss_mb": round(_peak_rss_mb(), 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded:smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=None, help="samples (8; --learner-memory: 1)")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--completion", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--learner-memory", type=Path, default=None, metavar="RECIPE",
+                        help="measure the learner step's peak memory at RECIPE's longest sequence instead")
+    parser.add_argument("--dtype-memory", default="bfloat16", choices=["float32", "bfloat16"],
+                        help="policy dtype of --learner-memory (the recipes': bfloat16)")
     args = parser.parse_args()
+    args.batch = args.batch or (1 if args.learner_memory is not None else 8)
+    if args.learner_memory is not None:
+        import json
+
+        print(json.dumps(learner_memory(args), indent=1))
+        return
     from rlver_lib.models import load_causal_lm
 
     vocab = load_causal_lm(args.model, args.dtype)[0].config.vocab_size

@@ -174,6 +174,70 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+LOGIT_CHUNK_ROWS = 256
+"""Token positions whose full-vocabulary logits :func:`chunked_logprobs_and_entropy`
+holds at once (a few ``[256, V]`` float32 tensors: ~50 MB each for SmolLM2's 49k
+vocabulary, ~156 MB for Qwen2.5's 152k)."""
+
+
+def _chunk_logprobs_and_entropy(hidden: torch.Tensor, ids: torch.Tensor, head, temperature: float,
+                                entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse
+    if not entropy:
+        return logprobs, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        # H = -sum p (x - lse) = lse - sum p x: one [n, V] product, no log-softmax copy
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logprobs, ent
+
+
+def chunked_logprobs_and_entropy(hidden: torch.Tensor, head, ids: torch.Tensor, *, temperature: float = 1.0,
+                                 entropy: bool = True, entropy_grad: bool = True,
+                                 chunk_rows: int = LOGIT_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of ``ids`` and entropies (nats) of the categoricals
+    ``softmax(head(hidden) / temperature)``, ``chunk_rows`` positions at a time.
+
+    ``hidden`` ``[N, H]`` (the backbone's last hidden states at the scored positions),
+    ``head`` maps ``[n, H]`` to ``[n, V]`` logits (the LM head), ``ids`` ``[N]``. Returns
+    ``(logprobs [N], entropy [N] or None)`` in float32; ``entropy=False`` skips the
+    entropy (scoring old log-probs needs none); ``entropy_grad=False`` returns it
+    without gradient.
+
+    Memory: the float32 ``[N, V]`` logits never exist at once. Each chunk's logits are
+    computed, reduced to log-prob and entropy, and freed (the log-prob as ``logit -
+    logsumexp``, TRL's ``selective_log_softmax``; the entropy as ``logsumexp - Σ p·logit``).
+    With gradient each chunk runs under ``torch.utils.checkpoint``: autograd keeps only
+    ``hidden`` and recomputes the chunk's logits in backward, so the learner's peak
+    is a few ``[chunk_rows, V]`` tensors instead of several ``[N, V]`` ones (one LM-head
+    matmul more per chunk in backward).
+    """
+    if hidden.dim() != 2 or ids.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and ids {tuple(ids.shape)}: expected [N, H] and [N]")
+    if temperature <= 0 or chunk_rows < 1:
+        raise ValueError(f"need temperature > 0 and chunk_rows >= 1, got {temperature}, {chunk_rows}")
+    if hidden.shape[0] == 0:  # no position: empty results, still attached to the graph of ``hidden``
+        empty = hidden.float().sum(-1) * 0.0
+        return empty, (empty.clone() if entropy else None)
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad
+                                             or any(p.requires_grad for p in getattr(head, "parameters", list)()))
+    logprobs, entropies = [], []
+    for h, i in zip(hidden.split(chunk_rows), ids.split(chunk_rows)):
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+
+            lp, ent = checkpoint(_chunk_logprobs_and_entropy, h, i, head, temperature, entropy, entropy_grad,
+                                 use_reentrant=False, preserve_rng_state=False)
+        else:
+            lp, ent = _chunk_logprobs_and_entropy(h, i, head, temperature, entropy, entropy_grad)
+        logprobs.append(lp)
+        entropies.append(ent)
+    return torch.cat(logprobs), (torch.cat(entropies) if entropy else None)
+
+
 def kl_penalty(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Literal["k1", "k3"] = "k3"
 ) -> torch.Tensor:

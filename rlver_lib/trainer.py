@@ -23,6 +23,7 @@ import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -49,6 +50,17 @@ class TrainerError(RuntimeError):
 def _step_seed(seed: int, step: int) -> int:
     """A per-step seed derived from the run seed (independent of resume history)."""
     return int(np.random.SeedSequence([seed, step]).generate_state(1)[0])
+
+
+def process_seed(seed: int, process_index: int) -> int:
+    """The seed process ``process_index`` of a launch draws from, given the launch's
+    ``seed``: ``seed`` itself on process 0 (a one-process run samples exactly as it
+    always did), one derived from ``(seed, process_index)`` on the others, so no two
+    processes share a random stream (backends then seed each dialogue of a batch
+    from it: one row of a batched ``generate``, vLLM's per-request seeds)."""
+    if process_index == 0:
+        return int(seed)
+    return int(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, 0x5EED, process_index]).generate_state(1)[0])
 
 
 def sample_scenario_indices(n_scenarios: int, position: int, count: int, seed: int) -> tuple[list[int], int]:
@@ -123,9 +135,12 @@ def configure_deepspeed(accelerator, training: TrainingConfig) -> None:
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
+    # DeepSpeed's nominal micro-batch (its batch-size bookkeeping only: the trainer feeds the
+    # engine itself): a process's dialogues per micro-batch, at least 1
+    micro = max(1, training.mini_batch_size // (accelerator.num_processes * training.grad_accum_steps))
     wanted = {"gradient_accumulation_steps": ("grad_accum_steps", training.grad_accum_steps),
               "gradient_clipping": ("max_grad_norm", training.max_grad_norm),
-              "train_micro_batch_size_per_gpu": ("mini_batch_size", training.mini_batch_size)}
+              "train_micro_batch_size_per_gpu": ("mini_batch_size", micro)}
     config = plugin.deepspeed_config
     for key, (name, value) in wanted.items():
         current = config.get(key, "auto")
@@ -163,11 +178,18 @@ class PolicyWithValueHead(nn.Module):
 
     ``forward(input_ids [B, L], attention_mask [B, L], mask [B, L-1])`` returns a dict of
     ``[B, L-1]`` float32 tensors aligned with next-token positions (entry ``t`` scores
-    ``input_ids[:, t+1]``): ``logprobs`` (at the sampling temperature,
-    :func:`~rlver_lib.algorithms.gather_logprobs`), ``entropy`` (nats,
-    :func:`~rlver_lib.algorithms.entropy_from_logits`; without gradient unless
-    ``entropy_grad``) and, with a value head, ``values``. Only positions where ``mask``
-    is 1 are computed (the LM head runs on policy tokens only); the rest are 0.
+    ``input_ids[:, t+1]``): ``logprobs`` (at the sampling temperature), ``entropy``
+    (nats; left out with ``entropy=False``, without gradient unless ``entropy_grad``)
+    and, with a value head, ``values``. Only positions where ``mask`` is 1 are computed
+    (the LM head runs on policy tokens only); the rest are 0. Log-probs and entropy
+    come from :func:`~rlver_lib.algorithms.chunked_logprobs_and_entropy`: the
+    full-vocabulary float32 logits exist a chunk of positions at a time, never for
+    the whole batch, and are recomputed in backward instead of kept.
+
+    The critic shares the policy: ``values`` is ``value_head(h)`` on the same LoRA
+    backbone's hidden state, without a detach, so the value loss also trains the
+    LoRA weights and both gradients are clipped together (RLVER/verl train a separate
+    critic model; docs/GPU.md "The shared critic").
     """
 
     def __init__(self, policy: nn.Module, value_head: nn.Linear | None, temperature: float):
@@ -177,21 +199,23 @@ class PolicyWithValueHead(nn.Module):
         self.temperature = temperature if temperature > 0 else 1.0
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor, *,
-                entropy_grad: bool = True) -> dict:
+                entropy: bool = True, entropy_grad: bool = True) -> dict:
         base = self.policy.get_base_model()
         hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         selected = mask.bool()
         h = hidden[:, :-1][selected]  # [N, H], N = number of policy tokens
-        logits = base.get_output_embeddings()(h).float() / self.temperature  # [N, V]
 
         def scatter(values: torch.Tensor) -> torch.Tensor:
             out = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
             out[selected] = values
             return out
 
-        out = {"logprobs": scatter(algorithms.gather_logprobs(logits, input_ids[:, 1:][selected]))}
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            out["entropy"] = scatter(algorithms.entropy_from_logits(logits))
+        logprobs, ent = algorithms.chunked_logprobs_and_entropy(
+            h, base.get_output_embeddings(), input_ids[:, 1:][selected], temperature=self.temperature,
+            entropy=entropy, entropy_grad=entropy_grad)
+        out = {"logprobs": scatter(logprobs)}
+        if ent is not None:
+            out["entropy"] = scatter(ent)
         if self.value_head is not None:
             out["values"] = scatter(self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float())
         return out
@@ -319,12 +343,66 @@ def train_reward(trajectory: Any, format_penalty: float) -> float:
     return float(trajectory.reward) - (format_penalty if trajectory.format_violations else 0.0)
 
 
-def micro_batch_count(busiest: int, mini_batch_size: int, accumulation: int) -> int:
-    """One micro-batch count for every process: enough that none holds more than
-    ``mini_batch_size`` samples on the ``busiest`` process, rounded up to whole windows of
-    ``accumulation`` micro-batches, so every process runs the same passes and optimizer
-    steps (a process with fewer samples gets smaller or empty, zero-weight, micro-batches)."""
-    return accumulation * math.ceil(math.ceil(busiest / mini_batch_size) / accumulation)
+def batch_problems(training: TrainingConfig, num_processes: int) -> list[str]:
+    """Batch settings that do not divide, each with its reason (empty when none).
+
+    The batch sizes are global and counted in dialogues, so a recipe means the same on
+    any number of processes (as verl's ``train_batch_size`` / ``ppo_mini_batch_size``):
+    a step rolls out ``scenarios_per_step x group_size`` dialogues over all processes,
+    ``scenarios_per_step / num_processes`` scenarios (whole GRPO groups) on each; one
+    optimizer step learns from ``mini_batch_size`` dialogues (all their turns), each
+    process contributing ``mini_batch_size / num_processes``. ``grad_accum_steps`` only
+    splits a process's share of an optimizer step into that many micro-batches (memory;
+    the gradient is that of the whole window either way). Refused: a
+    ``scenarios_per_step`` or ``mini_batch_size`` that does not divide by the number of
+    processes, and a ``mini_batch_size`` that does not divide a step's dialogues.
+    """
+    problems = []
+    processes, per_step, mini = num_processes, training.scenarios_per_step, training.mini_batch_size
+    dialogues = per_step * training.group_size
+    if per_step % processes:
+        problems.append(f"training.scenarios_per_step={per_step} does not divide over {processes} processes "
+                        f"(each rolls out an equal share of whole scenarios); use a multiple of {processes}")
+    if dialogues % mini:
+        problems.append(f"training.mini_batch_size={mini} (dialogues per optimizer step, over all processes) "
+                        f"does not divide the {dialogues} dialogues of a step (training.scenarios_per_step "
+                        f"{per_step} x training.group_size {training.group_size})")
+    if mini % processes:
+        problems.append(f"training.mini_batch_size={mini} (dialogues per optimizer step, over all processes) "
+                        f"does not divide over {processes} processes; use a multiple of {processes}")
+    return problems
+
+
+def optimizer_steps_per_epoch(dialogues: int, mini_batch_size: int) -> int:
+    """Optimizer steps of one pass over ``dialogues`` trained dialogues (all processes):
+    ``ceil(dialogues / mini_batch_size)``. All of a step's dialogues make
+    ``scenarios_per_step x group_size / mini_batch_size``; GRPO groups without signal
+    and dropped error dialogues make fewer, each still of about ``mini_batch_size``."""
+    if dialogues < 0 or mini_batch_size < 1:
+        raise ValueError(f"need dialogues >= 0 and mini_batch_size >= 1, got {dialogues}, {mini_batch_size}")
+    return math.ceil(dialogues / mini_batch_size)
+
+
+def scoring_batch_size(samples: Sequence[_Sample], training: TrainingConfig, num_processes: int) -> int:
+    """Samples per forward pass when scoring old log-probs: about a training
+    micro-batch's (``mini_batch_size / (num_processes x grad_accum_steps)`` dialogues'
+    turns at this step's turns per dialogue), at least 1."""
+    dialogues = len({s.dialogue_id for s in samples})
+    if not dialogues:
+        return 1
+    per_micro = training.mini_batch_size / (num_processes * training.grad_accum_steps)
+    return max(1, math.ceil(len(samples) / dialogues * per_micro))
+
+
+def dialogue_windows(n_local: int, offset: int, windows: int) -> list[int]:
+    """The optimizer step (window) of each of this process's ``n_local`` dialogues: the
+    dialogues of all processes in rank order (this process's first at ``offset``) are
+    dealt round-robin into ``windows`` windows, so every window holds the floor or
+    the ceiling of ``dialogues / windows`` over all processes, and on equal shares each
+    process contributes the same number to every window."""
+    if windows < 1:
+        raise ValueError(f"need windows >= 1, got {windows}")
+    return [(offset + j) % windows for j in range(n_local)]
 
 
 def window_sizes(chunks: Sequence[Sequence[_Sample]], accumulation: int) -> torch.Tensor:
@@ -375,11 +453,11 @@ def score_old(model: PolicyWithValueHead, samples: list[_Sample], *, batch_size:
         chunk = samples[start:start + batch_size]
         batch = _collate(chunk, pad_id, device)
         args = (batch["input_ids"], batch["attention_mask"], batch["mask"])
-        out = model(*args)
+        out = model(*args, entropy=False)  # the entropy of old samples is never used
         ref = None
         if reference:
             with model.policy.disable_adapter():
-                ref = model(*args)["logprobs"]
+                ref = model(*args, entropy=False)["logprobs"]
         for i, s in enumerate(chunk):
             n = s.mask.numel()
             s.old_logprobs = out["logprobs"][i, :n].cpu()
@@ -562,6 +640,8 @@ def step_metrics(records: Sequence[dict[str, Any]], sums: dict[str, float], upda
     row.update({k: update.get(k, nan) for k in (
         "policy_loss", "value_loss", "entropy", "kl_ref", "approx_kl_old", "clip_fraction",
         "value_clip_fraction", "is_weight_mean", "is_capped_fraction", "grad_norm")})
+    row["optimizer_steps"] = int(update.get("optimizer_steps", 0))
+    row.update({k: update.get(k, nan) for k in ("samples_per_update", "dialogues_per_update")})
     update_s, rollout_s = fields["update_time_s"], fields["rollout_time_s"]
     row.update({
         "step_time_s": fields["step_time_s"], "rollout_time_s": rollout_s, "update_time_s": update_s,
@@ -600,6 +680,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, train_scenarios: Sequence[Any], *,
                  simulator: Any | None = None, policy_backend: ChatBackend | None = None):
         from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs
         from transformers import set_seed
 
         from rlver_lib.models import make_policy_backend
@@ -610,9 +691,15 @@ class Trainer:
         training = cfg.training
         sample_scenario_indices(len(train_scenarios), 0, training.scenarios_per_step, cfg.seed)  # fail early
         self.cfg, self.training, self.scenarios = cfg, training, list(train_scenarios)
-        self.accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps)
+        # the collective timeout of the whole launch (the process group is made once per process)
+        timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.distributed.timeout_s))
+        self.accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps,
+                                       kwargs_handlers=[timeout])
         self.accelerator.gradient_accumulation_steps = training.grad_accum_steps  # over any launcher default
         check_launch(self.accelerator)
+        problems = batch_problems(training, self.accelerator.num_processes)
+        if problems:
+            raise ConfigError("; ".join(problems))
         configure_deepspeed(self.accelerator, training)
         self.out_dir = cfg.run_dir / "train"
         set_seed(cfg.seed)
@@ -631,7 +718,7 @@ class Trainer:
         if simulator is None:
             from rlver_lib.simulator import build_simulator
 
-            simulator = build_simulator(cfg.simulator, cfg.seed)
+            simulator = build_simulator(cfg.simulator, process_seed(cfg.seed, self.accelerator.process_index))
         self.simulator = simulator
         self.step, self.data_position = 0, 0
         self.history: list[dict[str, Any]] = []
@@ -695,11 +782,14 @@ class Trainer:
         indices, self.data_position = sample_scenario_indices(
             len(self.scenarios), self.data_position, training.scenarios_per_step, self.cfg.seed)
         shard = [self.scenarios[i] for i in indices[accelerator.process_index::accelerator.num_processes]]
+        # every process samples from its own stream (rank 0's is the one-process stream)
+        rollout_seed = process_seed(step_seed, accelerator.process_index)
         trajectories = run_rollouts(
             self.policy_backend, self.simulator, shard, n_per_scenario=training.group_size,
             max_turns=self.cfg.rollout.max_turns, initial_emotion=self.cfg.simulator.initial_emotion,
-            think=policy_cfg.think, seed=step_seed, progress=False, max_context_tokens=policy_cfg.max_context_tokens,
-            format_violation=policy_cfg.format_violation, sampling=policy_cfg.sampling(step_seed))
+            think=policy_cfg.think, seed=rollout_seed, progress=False,
+            max_context_tokens=policy_cfg.max_context_tokens,
+            format_violation=policy_cfg.format_violation, sampling=policy_cfg.sampling(rollout_seed))
         rollout_s = time.perf_counter() - start
         self._stop_if_simulator_died(trajectories)
 
@@ -708,7 +798,8 @@ class Trainer:
                    if t.samples and (t.termination != "error" or training.error_dialogues == "zero_reward")]
         samples = samples_from_trajectories(trained)
         update_start = time.perf_counter()
-        score_old(self.model, samples, batch_size=training.mini_batch_size, pad_id=self.pad_id,
+        score_old(self.model, samples, batch_size=scoring_batch_size(samples, training, accelerator.num_processes),
+                  pad_id=self.pad_id,
                   device=accelerator.device, reference=training.kl_coef > 0)
         samples, sums, extra = assign_advantages(samples, rewards, training, self.collect)
         update = self._update(samples, step_seed)
@@ -748,26 +839,45 @@ class Trainer:
             f"last checkpoint: {last or 'none yet'}; run the same command again to resume")
 
     def _update(self, samples: list[_Sample], step_seed: int) -> dict[str, float]:
-        """``epochs_per_step`` passes of micro-batches, one optimizer step per window of
-        ``grad_accum_steps`` micro-batches (accelerate's ``accumulate``). Returns the
-        step's update statistics over all processes (``{}`` when no process has samples)."""
+        """``epochs_per_step`` passes; each pass deals the trained dialogues of all processes
+        into :func:`optimizer_steps_per_epoch` windows of about ``mini_batch_size`` dialogues
+        (:func:`dialogue_windows`), one optimizer step per window; each process splits its
+        share of a window (all turns of its dialogues there) into ``grad_accum_steps``
+        micro-batches (accelerate's ``accumulate``). Returns the step's update statistics
+        over all processes (``{}`` when no process has samples)."""
         training, accelerator = self.training, self.accelerator
         accumulation = training.grad_accum_steps
-        busiest = int(self.collect.max(torch.tensor([float(len(samples))])))
-        if busiest == 0:  # every process skips alike: nobody has anything to learn from
+        by_dialogue: dict[str, list[_Sample]] = defaultdict(list)
+        for s in samples:
+            by_dialogue[s.dialogue_id].append(s)
+        dialogues = list(by_dialogue)
+        rank, processes = accelerator.process_index, accelerator.num_processes
+        counts = torch.zeros(processes, dtype=torch.float64)
+        counts[rank] = len(dialogues)
+        counts = self.collect.sum(counts)  # every process's trained dialogues
+        total = int(counts.sum())
+        if total == 0:  # every process skips alike: nobody has anything to learn from
             return {}
-        n_micro = micro_batch_count(busiest, training.mini_batch_size, accumulation)  # the same on every process
+        n_windows = optimizer_steps_per_epoch(total, training.mini_batch_size)  # the same on every process
+        offset = int(counts[:rank].sum())
         generator = torch.Generator().manual_seed(step_seed)
         totals = dict.fromkeys(_UPDATE_SUMS, 0.0)
         grad_norms: list[float] = []
+        window_samples: list[float] = []
         self.prepared.train()
         for _ in range(training.epochs_per_step):
-            order = torch.randperm(len(samples), generator=generator).numpy()
-            chunks = [[samples[i] for i in part] for part in np.array_split(order, n_micro)]
-            windows = self.collect.sum(window_sizes(chunks, accumulation))  # each window's loss normalisers
+            order = torch.randperm(len(dialogues), generator=generator).tolist()
+            windows: list[list[_Sample]] = [[] for _ in range(n_windows)]
+            for d, w in zip(order, dialogue_windows(len(dialogues), offset, n_windows)):
+                windows[w].extend(by_dialogue[dialogues[d]])
+            chunks = [[window[i] for i in part] for window in windows
+                      for part in np.array_split(np.arange(len(window)), accumulation)]
+            sizes = self.collect.sum(window_sizes(chunks, accumulation))  # each window's loss normalisers
             for k, chunk in enumerate(chunks):
+                tokens, rows = sizes[k // accumulation].tolist()
+                if rows == 0:  # an empty window on every process: no optimizer step
+                    continue
                 batch = _collate(chunk or [empty_sample(self.pad_id)], self.pad_id, accelerator.device)
-                tokens, rows = windows[k // accumulation].tolist()
                 with accelerator.accumulate(self.prepared):
                     loss, parts = micro_batch_loss(self.prepared, batch, training, tokens=tokens, rows=rows,
                                                    max_new_tokens=self.cfg.policy.max_new_tokens)
@@ -784,9 +894,13 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                 for key, value in parts.items():
                     totals[key] += value
-        total = self.collect.sum(torch.tensor([totals[k] for k in _UPDATE_SUMS], dtype=torch.float64))
-        return update_metrics(dict(zip(_UPDATE_SUMS, total.tolist())), grad_norms, training,
-                              windows=n_micro // accumulation * training.epochs_per_step)
+            window_samples += [rows for _, rows in sizes.tolist() if rows > 0]
+        summed = self.collect.sum(torch.tensor([totals[k] for k in _UPDATE_SUMS], dtype=torch.float64))
+        update = update_metrics(dict(zip(_UPDATE_SUMS, summed.tolist())), grad_norms, training,
+                                windows=len(window_samples))
+        update.update(optimizer_steps=len(window_samples), samples_per_update=float(np.mean(window_samples)),
+                      dialogues_per_update=total * training.epochs_per_step / len(window_samples))
+        return update
 
     # ------------------------------------------------------------ collectives, files
 

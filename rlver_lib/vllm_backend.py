@@ -114,6 +114,16 @@ def request_seed(seed: int | None, index: int) -> int | None:
     return int(state) & 0x7FFFFFFF
 
 
+def engine_seed(seed: int, process_index: int | None = None) -> int:
+    """The vLLM engine seed of process ``process_index`` (``None``: ``$RANK`` of the launch,
+    0 alone): ``seed + process_index``, as TRL's colocate mode gives each rank's engine
+    its own seed, so unseeded requests on different ranks do not share a stream (seeded
+    requests draw from :func:`request_seed`). Process 0 keeps ``seed``."""
+    if process_index is None:
+        process_index = int(os.environ.get("RANK", "0"))
+    return (int(seed) + int(process_index)) & 0x7FFFFFFF
+
+
 def sampling_kwargs(
     sampling: SamplingParams, index: int, stop_token_ids: Sequence[int] = ()
 ) -> dict[str, Any]:
@@ -367,7 +377,8 @@ class VLLMBackend:
         kv_cache_gb: fixed KV cache size in GiB (CPU default 1 GiB; GPU default:
             what ``gpu_memory_utilization`` leaves).
         dtype: ``"bfloat16"``, ``"float16"``, ``"float32"`` or ``"auto"``.
-        seed: engine seed; per-request seeds come from ``SamplingParams.seed``.
+        seed: engine seed (:func:`engine_seed` gives each process its own); per-request
+            seeds come from ``SamplingParams.seed``.
         max_model_len: prompt + completion tokens per request.
         enforce_eager: skip CUDA graph capture (faster start, slower decode; the
             CPU build always runs eagerly with LoRA).
@@ -453,14 +464,15 @@ class VLLMBackend:
         model_path: str | Path,
         tokenizer: Any = None,
         *,
-        seed: int = 0,
+        seed: int | None = None,
         adapter_root: str | Path | None = None,
     ) -> "VLLMBackend":
         """Build from the ``policy`` section (what ``models.make_policy_backend`` calls):
         ``model_path`` is ``policy.model`` resolved (``models.policy_model_path``), ``lora.r``,
         ``dtype``, ``vllm_device``, ``gpu_memory_utilization``, ``vllm_kv_cache_gb``,
         ``adapter`` as the initial adapter,
-        ``max_model_len = max_context_tokens + max_new_tokens``."""
+        ``max_model_len = max_context_tokens + max_new_tokens``; ``seed`` ``None``: this
+        process's :func:`engine_seed` of 0 (the rank under a multi-process launch)."""
         return cls(
             str(model_path),
             lora_rank=policy_cfg.lora.r,
@@ -468,7 +480,7 @@ class VLLMBackend:
             gpu_memory_utilization=policy_cfg.gpu_memory_utilization,
             kv_cache_gb=policy_cfg.vllm_kv_cache_gb,
             dtype=policy_cfg.dtype,
-            seed=seed,
+            seed=engine_seed(0) if seed is None else seed,
             max_model_len=policy_cfg.max_context_tokens + policy_cfg.max_new_tokens,
             adapter_root=adapter_root,
             initial_adapter=policy_cfg.adapter,

@@ -552,25 +552,48 @@ def process_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _follow_pipeline(cfg: RunConfig, rank: int) -> Path:
-    """A non-main rank of a multi-process launch: run the same stages (the training
-    notebook needs every rank; its kernel inherits the launcher's environment) with
-    the executed notebooks under ``notebooks/rank<r>/``; rank 0 alone writes the
-    manifest and the report. A stage rank 0 has recorded complete is skipped."""
+FOLLOW_POLL_S = 2.0
+"""How often a non-main rank re-reads the manifest while it waits for rank 0."""
+
+_follower_sleep = time.sleep  # a test replaces it to see the waiting rank's polls
+
+
+def _follow_pipeline(cfg: RunConfig, rank: int, *, poll_s: float | None = None) -> Path:
+    """A non-main rank of a multi-process launch: it runs the training stage only, the one
+    stage that needs every process (its kernel inherits the launcher's environment), with
+    the executed notebook under ``notebooks/rank<r>/``. Scenarios, the benchmarks
+    (baseline, evaluate: one judge, one writer of ``eval/<label>/``) and the analysis run
+    once, on rank 0, which alone writes the manifest and the report.
+
+    The rank waits until rank 0's manifest records the ``train`` stage running (rank 0
+    has then written the scenarios and run the baseline) or complete (skipped then, as
+    rank 0 skips it), re-reading it every ``poll_s`` seconds (:data:`FOLLOW_POLL_S`). It
+    has no deadline of its own: rank 0's stages before training may take hours, and a
+    launcher (``torchrun``, ``accelerate launch``) stops every rank when rank 0 fails.
+    Returns the path of the report rank 0 writes."""
     run_dir = cfg.run_dir.resolve()
+    report = run_dir / "report.html"
+    stage = next((s for s in pipeline_stages(cfg, run_dir) if s.name == "train"), None)
+    if stage is None:
+        return report
+    poll_s = FOLLOW_POLL_S if poll_s is None else poll_s
+    while True:
+        manifest = read_manifest(run_dir)
+        if stage_complete(run_dir, manifest, stage):
+            return report
+        if manifest.get("stages", {}).get("train", {}).get("status") == "running":
+            break
+        _follower_sleep(poll_s)
     folder = run_dir / "notebooks" / f"rank{rank}"
     atomic_write_text(folder / "config.yaml", dump_config(cfg))
     with _kernel_environment(cfg):
-        for stage in pipeline_stages(cfg, run_dir):
-            if stage_complete(run_dir, read_manifest(run_dir), stage):
-                continue
-            try:
-                execute_notebook(stage.notebook, folder / stage.output,
-                                 {"params_file": str(folder / "config.yaml"),
-                                  "run_dir": str(run_dir), **stage.params})
-            except Exception as err:
-                raise PipelineError(f"rank {rank}: stage '{stage.name}' failed\n{err}") from err
-    return run_dir / "report.html"
+        try:
+            execute_notebook(stage.notebook, folder / stage.output,
+                             {"params_file": str(folder / "config.yaml"), "run_dir": str(run_dir),
+                              **stage.params})
+        except Exception as err:
+            raise PipelineError(f"rank {rank}: stage '{stage.name}' failed\n{err}") from err
+    return report
 
 
 def _run_stage(cfg: RunConfig, run_dir: Path, stage: Stage, manifest: dict[str, Any],
@@ -735,6 +758,10 @@ def run_ablation(path: str | Path, overrides: list[str] | None = None,
     grid, cells = load_grid(path, overrides)
     grid_dir = (Path(grid.output_root) / grid.name).resolve()
     _refuse_mixed_judges(cells)
+    if process_rank() > 0:  # a non-main rank of a multi-process launch: each cell's training only
+        for cell in cells:
+            run_pipeline(cell.config, params_file=str(path), progress=False)
+        return grid_dir / "report.html"
     atomic_write_text(grid_dir / "grid.yaml", Path(path).read_text(encoding="utf-8"))
     for cell in tqdm(cells, desc=f"ablation {grid.name}", unit="cell", disable=not progress):
         if read_manifest(grid_dir / cell.name).get("status") == "complete":
@@ -782,7 +809,7 @@ class Evaluation:
     paired: PairedComparison | None = None
 
 
-def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation:
+def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation | None:
     """The benchmark (and maths retention) of ``cfg.policy`` (with ``cfg.policy.adapter``
     when set) on ``cfg.scenarios.test``, written to ``<run_dir>/eval/<label>/``.
 
@@ -793,11 +820,18 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation:
     ``<run_dir>/figures/eval_<label>_{trajectory,breakdown}.png``, and, for a label other
     than ``baseline`` when ``eval/baseline`` exists, ``<run_dir>/eval/paired.json``
     (:func:`write_paired`).
+
+    Under a multi-process launch only rank 0 runs it (one judge, one writer of
+    ``eval/<label>/``); another rank loads nothing, calls no judge and returns ``None``.
     """
     from rlver_lib import analysis, evaluation
     from rlver_lib.models import load_policy, make_policy_backend
 
     label = label or ("trained" if cfg.policy.adapter else "baseline")
+    rank = process_rank()
+    if rank > 0:
+        print(f"rank {rank}: the benchmark runs on rank 0 only, which writes {cfg.run_dir / 'eval' / label}")
+        return None
     out_dir = cfg.run_dir / "eval" / label
     model, tokenizer = load_policy(cfg.policy)
     policy = make_policy_backend(cfg.policy, model, tokenizer)
@@ -840,6 +874,8 @@ def eval_command(cfg: Any, *, label: str | None = None) -> int:
     from rlver_lib import evaluation
 
     ev = evaluate(cfg, label=label)
+    if ev is None:  # a non-main rank of a multi-process launch
+        return 0
     s = ev.benchmark.summary
     print(f"{ev.benchmark.label}: Sentient score {s.sentient_score.value:.1f} "
           f"[{s.sentient_score.low:.1f}, {s.sentient_score.high:.1f}] over {s.n_scenarios} scenario(s), "

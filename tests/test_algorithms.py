@@ -353,18 +353,45 @@ def test_dialogue_gae_chains_turns_across_the_boundary():
 
 # ---------------------------------------------------------------- rollout-engine mismatch
 
-def test_truncated_is_weights_hand_computed_and_match_trl_token_truncate():
-    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
-    sampling = torch.tensor([[-1.2, -0.5, float("nan"), -3.0]])
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+def _trl_is_ratio(old, sampling, mask, cap):
+    """TRL's own vLLM importance-sampling ratio, ``token_truncate`` mode. TRL computes it
+    inline in ``GRPOTrainer._generate_and_score_completions`` (no function to call), so the
+    block is cut out of that method's source, from the log-prob difference to the
+    reference-model comment after it, and run on these tensors."""
+    import inspect
+    import textwrap
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    lines = inspect.getsource(GRPOTrainer._generate_and_score_completions).splitlines()
+    first = next(i for i, line in enumerate(lines)
+                 if "per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask" in line)
+    last = next(i for i in range(first, len(lines)) if "log probabilities for the reference model" in lines[i])
+    block = textwrap.dedent("\n".join(lines[first:last]))
+    assert "token_truncate" in block and "torch.clamp" in block, block  # the block this test means to run
+    scope = {"torch": torch, "math": math, "old_per_token_logps": old, "sampling_per_token_logps": sampling,
+             "mask": mask, "self": SimpleNamespace(vllm_importance_sampling_mode="token_truncate",
+                                                   vllm_importance_sampling_clip_min=None,
+                                                   vllm_importance_sampling_clip_max=cap)}
+    exec(compile(block, "trl GRPOTrainer IS block", "exec"), scope)
+    return scope["vllm_importance_sampling_ratio"]
+
+
+def test_truncated_is_weights_hand_computed_and_equal_to_trls_token_truncate():
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.1, -6.0, -2.0, -1.0]])
+    sampling = torch.tensor([[-1.2, -0.5, float("nan"), -3.0], [-0.3, -1.0, -2.5, float("nan")]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
     w = alg.truncated_is_weights(old, sampling, mask, cap=3.0)
-    # exp(.2), exp(-1.5), NaN -> 1, masked -> 1
-    torch.testing.assert_close(w, torch.tensor([[math.exp(0.2), math.exp(-1.5), 1.0, 1.0]]))
-    assert alg.truncated_is_weights(old, torch.tensor([[-4.0, -2.0, -0.5, -3.0]]), mask, cap=3.0)[0, 0] == 3.0
-    # TRL 1.16 GRPOTrainer, token_truncate: clamp(exp(nan_to_num((old - sampling) * mask)), max=cap)
-    trl = torch.clamp(torch.exp(torch.nan_to_num((old - sampling) * mask, nan=0.0)), max=3.0)
-    torch.testing.assert_close(w, trl)
-    total, largest, count = alg.logprob_gap(old, sampling, mask)
+    # exp(.2), exp(-1.5), NaN -> 1, masked -> 1; row 1: exp(.2), exp(-5), exp(.5), NaN -> 1
+    torch.testing.assert_close(w, torch.tensor([[math.exp(0.2), math.exp(-1.5), 1.0, 1.0],
+                                                [math.exp(0.2), math.exp(-5.0), math.exp(0.5), 1.0]]))
+    assert alg.truncated_is_weights(old, torch.tensor([[-4.0, -2.0, -0.5, -3.0]] * 2), mask, cap=3.0)[0, 0] == 3.0
+    pytest.importorskip("trl")
+    for cap in (3.0, 1.1):
+        torch.testing.assert_close(alg.truncated_is_weights(old, sampling, mask, cap=cap),
+                                   _trl_is_ratio(old, sampling, mask, cap))
+    total, largest, count = alg.logprob_gap(old[:1], sampling[:1], mask[:1])
     assert (float(total), float(largest), float(count)) == pytest.approx((0.2 + 1.5, 1.5, 2))
 
 
@@ -377,6 +404,90 @@ def test_is_weights_scale_the_per_token_policy_loss():
     assert out.loss.item() == pytest.approx((-2.0 * 1 + 0.5 * 1) / 2)
     out.loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, 0.25]]))
+
+
+def test_is_weighted_policy_loss_equals_trls(tmp_path):
+    """Our clipped loss with IS weights against TRL's ``_compute_loss`` fed TRL's own ratio."""
+    pytest.importorskip("trl")
+    trainer = _tiny_trl_trainer(tmp_path, "bnpo")
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    model = trainer.model
+    prompt_ids = torch.tensor([[30, 5, 6, 7], [8, 9, 10, 11]])
+    prompt_mask = (prompt_ids != 30).long()
+    completion_ids = torch.tensor([[12, 13, 31, 30], [14, 15, 16, 17]])
+    completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    advantages, _ = alg.grpo_advantages(torch.tensor([0.3, 0.8]), [0, 0])
+    old = torch.tensor([[-3.0, -3.5, -2.9, 0.0], [-3.2, -3.4, -3.6, -3.3]])
+    sampling = old + torch.tensor([[0.4, -1.5, float("nan"), 0.0], [-0.2, 0.1, 2.0, -0.3]])
+    ratio = _trl_is_ratio(old, sampling, completion_mask.float(), 3.0)
+    inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                  completion_mask=completion_mask, advantages=advantages, old_per_token_logps=old,
+                  importance_sampling_ratio=ratio, num_items_in_batch=completion_mask.sum())
+    model.train()
+    trl_loss = trainer._compute_loss(model, inputs)
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    logits = model(input_ids=input_ids, attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits
+    logp = alg.token_logprobs(logits, input_ids)[:, prompt_ids.shape[1] - 1:]
+    weights = alg.truncated_is_weights(old, sampling, completion_mask, cap=3.0)
+    ours = alg.clipped_policy_loss(logp, old, advantages, completion_mask, is_weights=weights).loss
+    assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-6)
+    unweighted = alg.clipped_policy_loss(logp, old, advantages, completion_mask).loss
+    assert abs(unweighted.item() - trl_loss.item()) > 1e-3  # the weights matter here
+
+
+# ---------------------------------------------------------------- chunked log-probs and entropy
+
+def _head_case(n=300, hidden=8, vocab=97, seed=0):
+    torch.manual_seed(seed)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    h = torch.randn(n, hidden, requires_grad=True)
+    ids = torch.randint(0, vocab, (n,))
+    return head, h, ids
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_and_entropy_equal_trls_and_the_full_computation(temperature):
+    head, h, ids = _head_case()
+    lp, ent = alg.chunked_logprobs_and_entropy(h, head, ids, temperature=temperature, chunk_rows=64)
+    logits = head(h) / temperature
+    full = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(lp, full.gather(-1, ids[:, None]).squeeze(-1))
+    torch.testing.assert_close(ent, -(full.exp() * full).sum(-1))
+    # gradients through the checkpointed chunks equal those of the full computation
+    grad_ours = torch.autograd.grad((lp * 0.3 + ent).sum(), h)[0]
+    grad_full = torch.autograd.grad((full.gather(-1, ids[:, None]).squeeze(-1) * 0.3
+                                     - (full.exp() * full).sum(-1)).sum(), h)[0]
+    torch.testing.assert_close(grad_ours, grad_full)
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    with torch.no_grad():
+        trl_lp, trl_ent = trl_utils.selective_log_softmax_and_entropy(head(h), ids, temperature=temperature)
+        ours_lp, ours_ent = alg.chunked_logprobs_and_entropy(h, head, ids, temperature=temperature, chunk_rows=64)
+    torch.testing.assert_close(ours_lp, trl_lp)
+    torch.testing.assert_close(ours_ent, trl_ent)
+
+
+def test_chunked_logprobs_keep_no_full_vocabulary_tensor_for_backward():
+    head, h, ids = _head_case(n=512, vocab=211)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tuple(tensor.shape))
+        return tensor
+
+    for entropy_grad in (True, False):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            lp, ent = alg.chunked_logprobs_and_entropy(h, head, ids, entropy_grad=entropy_grad, chunk_rows=64)
+        assert lp.requires_grad and ent.requires_grad == entropy_grad
+        largest = max(math.prod(shape) for shape in saved)
+        assert largest <= 512 * 8, (entropy_grad, sorted(set(saved)))  # hidden states, not [N, V] logits
+        (lp.sum() + (ent.sum() if entropy_grad else 0)).backward()
+    # no entropy asked: none computed
+    with torch.no_grad():
+        lp, ent = alg.chunked_logprobs_and_entropy(h, head, ids, entropy=False)
+    assert ent is None and lp.shape == (512,)
+    empty_lp, empty_ent = alg.chunked_logprobs_and_entropy(h[:0], head, ids[:0])
+    assert empty_lp.shape == empty_ent.shape == (0,)
 
 
 def test_gather_logprobs_matches_log_softmax():

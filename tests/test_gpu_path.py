@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -353,9 +354,21 @@ def test_gpu_check_dry_run_writes_its_figures(tmp_path):
     assert tf["tokens_per_s"] == pytest.approx(tf["completion_tokens"] / tf["seconds"])
     assert figures["throughput"]["vllm"] == "skipped (dry run)"
     train = figures["train"]
-    assert train["steps"] == 1 and train["metrics"][0]["step"] == 1
-    assert train["metrics"][0]["dialogues"] == 2  # 1 scenario x group of 2
-    assert 0.0 <= train["metrics"][0]["reward_mean"] <= 1.0
+    assert train["steps"] == 1
+    row = train["metrics"][0]
+    # 1 scenario x a group of 4, mini-batches of 2 dialogues: 2 optimizer steps of 2 samples
+    # (one turn each); the hashed rule reward gives the group signal, so the update ran
+    assert (row["step"], row["dialogues"], row["samples"]) == (1, 4, 4)
+    assert (row["optimizer_steps"], row["samples_per_update"], row["dialogues_per_update"]) == (2, 2.0, 2.0)
+    assert row["zero_variance_group_share"] == 0.0
+    assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+    # float32 transformers rollouts: the learner's old log-probs are the sampling ones, the
+    # first optimizer step runs at ratio 1 (a wrong temperature, context or chunking shows here)
+    assert row["logprob_gap_max"] < 1e-4 and abs(row["is_weight_mean"] - 1.0) < 1e-4
+    records = [json.loads(line) for line in (out / "runs" / "grpo" / "train" / "dialogues"
+                                              / "step_000001.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert row["reward_mean"] == pytest.approx(sum(r["final_emotion"] for r in records) / 100 / len(records))
+    assert len({r["reward"] for r in records}) > 1
     text = (out / "table.txt").read_text(encoding="utf-8")
     assert "rollout tokens/s, transformers" in text and "GRPO step 1" in text
 

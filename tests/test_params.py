@@ -145,11 +145,17 @@ def _flat(data: dict, prefix: str = "") -> dict:
     return out
 
 
+# batch sizes became global, in dialogues (issue 23): 4 optimizer steps a step for both
+# algorithms, PPO 32 / 8 (the base's value), GRPO 128 / 32 (set by each GRPO recipe)
+PAPER_MINI_BATCH = {"ppo": 8, "grpo": 32}
+
+
 def _expected_recipe(name: str) -> dict:
     algorithm, group_size, think, max_new_tokens, difficulty = PAPER_VARIANTS[name]
     return {**PAPER_SHARED, "run_name": name, "training.algorithm": algorithm,
             "training.group_size": group_size, "policy.think": think,
-            "policy.max_new_tokens": max_new_tokens, "simulator.difficulty": difficulty}
+            "policy.max_new_tokens": max_new_tokens, "simulator.difficulty": difficulty,
+            "training.mini_batch_size": PAPER_MINI_BATCH[algorithm]}
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_VARIANTS))

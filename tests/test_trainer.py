@@ -25,12 +25,15 @@ from rlver_lib.trainer import (
     Trainer,
     TrainerError,
     _Sample,
+    batch_problems,
     check_launch,
     configure_deepspeed,
+    dialogue_windows,
     grpo_sample_advantages,
     lr_scheduler,
-    micro_batch_count,
+    optimizer_steps_per_epoch,
     ppo_sample_advantages,
+    process_seed,
     sample_scenario_indices,
     samples_from_trajectories,
     score_old,
@@ -157,7 +160,8 @@ def test_deepspeed_config_gets_accumulation_clipping_and_micro_batch():
                                           "mini_batch_size": 8}}).training
     config = {"gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}
     configure_deepspeed(_FakeAccelerator(deepspeed_config=config), training)
-    assert config == {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 8,
+    # DeepSpeed's nominal micro-batch: 8 dialogues per optimizer step / (1 process x 4 micro-batches)
+    assert config == {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 2,
                       "gradient_clipping": 0.5}
     with pytest.raises(TrainerError, match="gradient_clipping=1.0 but training.max_grad_norm is 0.5"):
         configure_deepspeed(_FakeAccelerator(deepspeed_config={"gradient_clipping": 1.0}), training)
@@ -235,14 +239,52 @@ def test_ppo_gae_runs_across_the_turn_boundary_of_a_two_turn_dialogue():
     torch.testing.assert_close(samples[1].returns, torch.tensor([0, 0, a1 + 0.1, a2 + 0.2]))
 
 
-@pytest.mark.parametrize("busiest, mini_batch, accumulation, expected", [
-    (8, 2, 1, 4),   # 4 micro-batches of 2
-    (8, 2, 3, 6),   # 4 needed, rounded up to two whole windows of 3
-    (5, 2, 2, 4),   # ceil(5 / 2) = 3, rounded up to two windows of 2
-    (1, 8, 4, 4),   # one sample still fills one whole window (three micro-batches empty)
-])
-def test_micro_batch_count_covers_the_busiest_process_in_whole_windows(busiest, mini_batch, accumulation, expected):
-    assert micro_batch_count(busiest, mini_batch, accumulation) == expected
+def _training(**kw):
+    return build_config({"training": kw}).training
+
+
+def test_batch_sizes_are_global_dialogues_and_must_divide():
+    ok = _training(scenarios_per_step=32, group_size=4, mini_batch_size=32)
+    assert all(batch_problems(ok, p) == [] for p in (1, 2, 4, 8))
+    scenarios, mini = batch_problems(ok, 3)
+    assert "scenarios_per_step=32 does not divide over 3 processes" in scenarios
+    assert "mini_batch_size=32 (dialogues per optimizer step, over all processes) does not divide over 3" in mini
+    (problem,) = batch_problems(_training(scenarios_per_step=4, group_size=3, mini_batch_size=5), 1)
+    assert "mini_batch_size=5" in problem and "the 12 dialogues of a step" in problem
+    (problem,) = batch_problems(_training(scenarios_per_step=4, group_size=1, mini_batch_size=2), 4)
+    assert "mini_batch_size=2" in problem and "over 4 processes" in problem
+
+
+def _global_windows(dialogues: int, mini_batch: int, processes: int) -> list[list[int]]:
+    """Per window, the dialogues each process contributes (equal shares, as rolled out)."""
+    n = optimizer_steps_per_epoch(dialogues, mini_batch)
+    share = dialogues // processes
+    out = [[0] * processes for _ in range(n)]
+    for rank in range(processes):
+        for w in dialogue_windows(share, rank * share, n):
+            out[w][rank] += 1
+    return out
+
+
+@pytest.mark.parametrize("dialogues, mini_batch", [(32, 8), (128, 32), (4, 2), (16, 8)])
+def test_optimizer_steps_and_dialogues_per_update_do_not_depend_on_the_process_count(dialogues, mini_batch):
+    for processes in (1, 2, 4, 8):
+        if dialogues % processes or mini_batch % processes:
+            continue
+        windows = _global_windows(dialogues, mini_batch, processes)
+        assert len(windows) == dialogues // mini_batch
+        assert all(sum(w) == mini_batch and set(w) == {mini_batch // processes} for w in windows), windows
+    # fewer trained dialogues (GRPO groups without signal, dropped errors): fewer steps, none empty
+    assert optimizer_steps_per_epoch(7, 2) == 4 and optimizer_steps_per_epoch(0, 2) == 0
+    assert sorted(dialogue_windows(7, 0, 4)) == [0, 0, 1, 1, 2, 2, 3]
+    assert dialogue_windows(3, 5, 4) == [1, 2, 3]  # this process's dialogues start at global index 5
+
+
+def test_each_process_draws_its_own_seed_and_process_0_the_run_seed():
+    assert process_seed(1234, 0) == 1234  # one process samples as it always did
+    seeds = [process_seed(1234, rank) for rank in range(8)]
+    assert len(set(seeds)) == 8 and seeds == [process_seed(1234, rank) for rank in range(8)]
+    assert process_seed(1235, 1) != seeds[1]
 
 
 def test_window_sizes_count_policy_tokens_and_samples_per_window():
@@ -293,6 +335,30 @@ def test_policy_forward_keeps_no_entropy_graph_when_not_needed():
     torch.testing.assert_close(out["entropy"][0, 1:], torch.distributions.Categorical(logits=logits).entropy())
 
 
+def test_score_old_computes_no_entropy_and_matches_the_update_forward(monkeypatch):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlver_lib.trainer import PolicyWithValueHead
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2))
+    model = PolicyWithValueHead(get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])),
+                                torch.nn.Linear(16, 1), 0.7)
+    samples = [_Sample(f"d#{k}", "d", 0, torch.tensor([1, 2, 3, 4, 5][:4 + k]), torch.tensor([0.0, 1, 1, 1][:3 + k]))
+               for k in range(2)]
+    asked, real = [], algorithms.chunked_logprobs_and_entropy
+    monkeypatch.setattr(algorithms, "chunked_logprobs_and_entropy",
+                        lambda *args, **kw: asked.append(kw["entropy"]) or real(*args, **kw))
+    score_old(model, samples, batch_size=2, pad_id=0, device=torch.device("cpu"), reference=True)
+    assert asked == [False, False]  # the policy and the reference (adapter disabled): no entropy
+    out = model(samples[1].input_ids[None], torch.ones(1, 5, dtype=torch.long), samples[1].mask[None])
+    torch.testing.assert_close(samples[1].old_logprobs, out["logprobs"][0].detach())
+    torch.testing.assert_close(samples[1].old_values, out["values"][0].detach())
+    assert asked[-1] is True and out["entropy"][0, 1:].gt(0).all()
+
+
 def test_atomic_directory_replaces_whole_or_not_at_all(tmp_path):
     from rlver_lib.io import atomic_directory
 
@@ -323,7 +389,7 @@ def test_first_mini_batch_has_ratio_one_at_temperature_0_7_and_warmup_is_honoure
         "policy": {"dtype": "float32", "temperature": 0.7, "max_new_tokens": 6, "lora": {"r": 4, "alpha": 8}},
         "simulator": {"backend": "rule"}, "rollout": {"max_turns": 2},
         "training": {"algorithm": "ppo", "steps": 2, "scenarios_per_step": 1, "group_size": 2,
-                     "mini_batch_size": 8, "epochs_per_step": 1, "learning_rate": 1e-3, "warmup_steps": 2,
+                     "mini_batch_size": 2, "epochs_per_step": 1, "learning_rate": 1e-3, "warmup_steps": 2,
                      "checkpoint_every": 100}})
     rows = Trainer(cfg, _scenarios(2), simulator=RuleSimulator(starts_with_i)).train()
     for row in rows:
@@ -353,7 +419,7 @@ def _padded(samples, key):
 def test_error_dialogues_are_counted_and_accumulation_steps_once_per_window_with_the_full_gradient(tmp_path):
     torch.set_num_threads(2)
     cfg = _cfg(tmp_path, "accum", algorithm="ppo", vf_coef=0.0, steps=1, scenarios_per_step=2, group_size=2,
-               mini_batch_size=1, grad_accum_steps=2, max_grad_norm=1e6, entropy_coef=0.0, is_correction=False)
+               mini_batch_size=2, grad_accum_steps=2, max_grad_norm=1e6, entropy_coef=0.0, is_correction=False)
     cfg.policy.dtype = "float32"
     trainer = Trainer(cfg, _scenarios(2), simulator=_Erroring(starts_with_i))
     # error dialogues: left out by default, counted; trained on with reward 0 on request
@@ -364,11 +430,14 @@ def test_error_dialogues_are_counted_and_accumulation_steps_once_per_window_with
     for row in (dropped, zeroed):
         assert (row["error_dialogues"], row["dialogues"], row["error_rate"]) == (1, 4, 0.25)
     assert (dropped["samples"], zeroed["samples"]) == (3, 4)  # one turn per dialogue
+    # mini-batches of 2 dialogues: 3 trained dialogues make 2 optimizer steps (2 + 1), 4 make 2 (2 + 2)
+    assert (dropped["optimizer_steps"], dropped["samples_per_update"]) == (2, 1.5)
+    assert (zeroed["optimizer_steps"], zeroed["samples_per_update"]) == (2, 2.0)
     records = [r for _, r in iter_jsonl(cfg.run_dir / "train" / "dialogues" / "step_000001.jsonl")]
     assert sorted(r["termination"] for r in records).count("error") == 1
 
-    # hand-made samples: 4 micro-batches of one sample, windows of 2 -> exactly 2 optimizer steps,
-    # each with the gradient of its window's token-mean loss (all its samples at once)
+    # hand-made samples, one per dialogue: mini-batches of 2 dialogues -> exactly 2 optimizer steps,
+    # each of 2 micro-batches of one sample, with the gradient of its window's token-mean loss
     samples = [_Sample(f"x#{k}", "x", 0, torch.tensor([1, 5 + k, 9, 11 + k][:3 + k % 2]),
                        torch.tensor([0.0, 1.0, 1.0][:2 + k % 2])) for k in range(4)]
     score_old(trainer.model, samples, batch_size=1, pad_id=trainer.pad_id, device=trainer.accelerator.device,
@@ -388,8 +457,8 @@ def test_error_dialogues_are_counted_and_accumulation_steps_once_per_window_with
     trainer._update(samples, step_seed=11)
     inner.step = original_step
     assert len(recorded) == 2
-    order = torch.randperm(4, generator=torch.Generator().manual_seed(11)).numpy()
-    for window, grads in zip(np.array_split(order, 2), recorded):
+    order = torch.randperm(4, generator=torch.Generator().manual_seed(11)).tolist()
+    for window, grads in zip(([order[0], order[2]], [order[1], order[3]]), recorded):  # dealt round-robin
         batch = [samples[i] for i in window]
         trainer.model.zero_grad()
         ids = _padded(batch, "input_ids")
@@ -494,23 +563,63 @@ def test_paper_recipe_runs_its_whole_sampler_schedule(recipe):
     assert training.warmup_steps > 0 and training.weight_decay == 0.01
 
 
-# one recipe per (algorithm, think mode): a recipe's difficulty only shapes the LLM
-# simulator's prompt, and these steps run the rule simulator, so a hard recipe's steps
-# would repeat its moderate twin's (their sampler schedules are all checked above)
-STEP_RECIPES = [p for p in RECIPES if p.stem.endswith("-moderate")]
+# one recipe per algorithm, one of them thinking: a recipe's difficulty only shapes the LLM
+# simulator's prompt (these steps run the rule simulator), and the rest of the grid differs in
+# think mode and reply budget alone (their sampler schedules and batch plans are all checked above)
+STEP_RECIPES = [p for p in RECIPES if p.stem in ("paper-grpo-think-moderate", "paper-ppo-nothink-moderate")]
+
+
+def hashed_change(reply: str) -> int:
+    """A rule-simulator change that differs between almost any two replies (-10..10), so
+    GRPO groups carry signal and PPO returns vary."""
+    import zlib
+
+    return zlib.crc32(reply.encode("utf-8")) % 21 - 10
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_paper_recipe_makes_four_optimizer_steps_a_step_on_any_number_of_processes(recipe):
+    training = load_config(recipe).training
+    dialogues = training.scenarios_per_step * training.group_size
+    for processes in (1, 2, 4, 8):
+        assert batch_problems(training, processes) == []
+        assert len(_global_windows(dialogues, training.mini_batch_size, processes)) == 4
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", STEP_RECIPES, ids=lambda p: p.stem)
-def test_paper_recipe_takes_two_real_steps_on_the_embedded_policy(tmp_path, recipe):
+def test_paper_recipe_takes_a_real_step_on_the_embedded_policy(tmp_path, recipe):
+    """The recipe as it is (algorithm, group size, think mode, bf16, LoRA r = 64 on every
+    projection, gradient checkpointing, entropy and value coefficients, warmup), on the
+    embedded policy and the rule simulator, shrunk to 4 one-turn dialogues a step in
+    mini-batches of one dialogue: the recipe's own 4 optimizer steps a step. One
+    micro-batch per optimizer step (``grad_accum_steps`` only splits a window for memory):
+    the recipe's 4 would add 3 empty micro-batches per window here, at ~3 s each for a
+    bf16 forward and backward on CPU."""
     torch.set_num_threads(2)
+    recipe_cfg = load_config(recipe)
+    steps_per_step = recipe_cfg.training.scenarios_per_step * recipe_cfg.training.group_size \
+        // recipe_cfg.training.mini_batch_size
     cfg = load_config(recipe, {
         "output_root": str(tmp_path), "policy.model": EMBEDDED_POLICY, "policy.backend": "transformers",
-        "policy.max_new_tokens": 3, "simulator.backend": "rule", "rollout.max_turns": 2,
-        "training.steps": 2, "training.scenarios_per_step": 1})
-    rows = Trainer(cfg, _scenarios(2), simulator=RuleSimulator(starts_with_i)).train()
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["dialogues"] == cfg.training.group_size for r in rows)
-    assert rows[0]["learning_rate"] == pytest.approx(cfg.training.learning_rate / cfg.training.warmup_steps)
+        "policy.max_new_tokens": 3, "simulator.backend": "rule", "rollout.max_turns": 1,
+        "training.steps": 1, "training.scenarios_per_step": steps_per_step // recipe_cfg.training.group_size,
+        "training.mini_batch_size": 1, "training.grad_accum_steps": 1})
+    trainer = Trainer(cfg, _scenarios(4), simulator=RuleSimulator(hashed_change))
+    rows = trainer.train()
+    training = cfg.training
+    assert steps_per_step == 4
+    (row,) = rows
+    assert (row["step"], row["dialogues"], row["samples"], row["optimizer_steps"], row["samples_per_update"]) \
+        == (1, 4, 4, 4, 1.0), row
+    assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0 and row["entropy"] > 0
+    # think recipes: 3 tokens cannot close a think block, every reply breaks the format
+    assert row["format_violation_rate"] == (1.0 if cfg.policy.think else 0.0)
+    if training.algorithm == "ppo":
+        assert math.isfinite(row["value_loss"]) and math.isfinite(row["explained_variance"])
+    else:
+        assert row["zero_variance_group_share"] == 0.0
+    assert row["learning_rate"] == pytest.approx(training.learning_rate / training.warmup_steps)
+    assert any(float(p.abs().sum()) > 0 for n, p in trainer.model.policy.named_parameters() if "lora_B" in n)
     assert (cfg.run_dir / "train" / "adapter" / "adapter_config.json").is_file()
-    assert (cfg.run_dir / "train" / "checkpoints" / "step_000002" / "trainer_state.json").is_file()
+    assert (cfg.run_dir / "train" / "checkpoints" / "step_000001" / "trainer_state.json").is_file()

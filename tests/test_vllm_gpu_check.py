@@ -38,14 +38,20 @@ def test_gpu_check_on_cpu_prints_its_figures(tmp_path):
         assert tp[key]["tokens_per_s"] == pytest.approx(tp[key]["completion_tokens"] / tp[key]["seconds"])
     handover = tp["handover"]
     assert handover["adapter"] == "policy-step000000"
-    # bfloat16 engine vs the bfloat16 peft model: agreement and a gap of bf16 rounding size
-    assert 0.0 <= handover["greedy_prefix_agreement"] <= 1.0
-    assert 0.0 <= handover["logprob_abs_diff_mean"] <= handover["logprob_abs_diff_max"] < 1.0
+    # bfloat16 engine with the perturbed adapter vs the bfloat16 peft model: the same greedy
+    # tokens and a gap of bf16 rounding size (docs/GPU.md: 0.033 mean, 0.12 max measured),
+    # well below what a stale or missing adapter gives (0.24 mean, 2.0 max nats)
+    assert handover["greedy_prefix_agreement"] >= 0.5
+    assert handover["logprob_abs_diff_mean"] < 0.1 and handover["logprob_abs_diff_max"] < 0.6
     train = figures["train"]
     assert train["steps"] == 1 and train["vllm_adapter"] == "policy-step000001"
     row = train["metrics"][0]
-    assert row["dialogues"] == 4 and 0.0 <= row["reward_mean"] <= 1.0
-    assert math.isfinite(row["logprob_gap_mean"]) and 0.0 <= row["logprob_gap_mean"] <= row["logprob_gap_max"]
+    # 2 scenarios x 2 rollouts, one optimizer step (a global mini-batch of 4 dialogues);
+    # the hashed rule reward gives the groups signal, so the update ran
+    assert (row["dialogues"], row["optimizer_steps"]) == (4, 1)
+    assert row["samples"] > 0 and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+    # vLLM's sampling log-probs against the learner's, bf16 both: small, and recorded
+    assert 0.0 < row["logprob_gap_mean"] < 0.1 and row["logprob_gap_max"] < 1.0
     for text in (proc.stdout, (out / "table.txt").read_text(encoding="utf-8")):
         assert "rollout tokens/s, vllm_lora" in text and "hand-over logprob_abs_diff_max" in text
         assert "training-inference gap" in text and "vLLM engine start-up s" in text

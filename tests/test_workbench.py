@@ -16,6 +16,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from rlver_lib import workbench
 from rlver_lib.config import ConfigError, build_config
+from rlver_lib.io import atomic_write_json
 
 STAND_IN = {
     "01_scenarios.ipynb": "(run / 'scenarios').mkdir(parents=True, exist_ok=True)\n"
@@ -186,15 +187,33 @@ def test_ablation_skips_finished_cells(tmp_path, notebooks):
     assert resumed["stages"]["scenarios"]["started"] >= resumed["runs"][1]["started"]  # re-ran
 
 
-def test_non_main_rank_runs_stages_without_writing_the_manifest(tmp_path, notebooks, monkeypatch):
-    cfg = _cfg(tmp_path, stages=["scenarios", "baseline"])
+def test_non_main_rank_waits_for_rank_0_then_runs_only_training(tmp_path, notebooks, monkeypatch):
+    """Rank 1 of a launch: no scenarios, benchmarks or analysis (rank 0 runs them once), and
+    training only once rank 0's manifest says it started training. tests/test_multiprocess.py
+    runs the same with two real processes."""
+    body = "import os\nfrom pathlib import Path\n(Path(run_dir) / f'train_rank{os.environ[\"RANK\"]}').write_text('1')"
+    nbformat.write(_stand_in(body, "params_file = None\nrun_dir = None\noverrides = {}\n"),
+                   notebooks / "03_training.ipynb")
     monkeypatch.setenv("RANK", "1")
-    workbench.run_pipeline(cfg, progress=False)
+    cfg = _cfg(tmp_path, stages=["scenarios", "baseline", "analysis"])  # nothing for rank 1
+    assert workbench.run_pipeline(cfg, progress=False) == cfg.run_dir.resolve() / "report.html"
+    assert not cfg.run_dir.exists()
+
+    cfg = _cfg(tmp_path, stages=["scenarios", "baseline", "train", "evaluate", "analysis"])
     run = cfg.run_dir.resolve()
-    assert not (run / "manifest.json").exists() and not (run / "report.html").exists()
-    assert sorted(p.name for p in (run / "notebooks" / "rank1").iterdir()) == [
-        "01_scenarios.ipynb", "04_evaluation_baseline.ipynb", "config.yaml"]
-    assert (run / "eval" / "baseline" / "summary.json").exists()
+    polls = []
+
+    def rank_0_progresses(seconds):  # rank 0's manifest: baseline running, then training started
+        polls.append(seconds)
+        status = {1: {"baseline": "running"}, 2: {"baseline": "complete", "train": "running"}}[len(polls)]
+        atomic_write_json(run / "manifest.json", {"stages": {k: {"status": v} for k, v in status.items()}})
+
+    monkeypatch.setattr(workbench, "_follower_sleep", rank_0_progresses)
+    workbench.run_pipeline(cfg, progress=False)
+    assert polls == [workbench.FOLLOW_POLL_S] * 2
+    assert sorted(p.name for p in (run / "notebooks" / "rank1").iterdir()) == ["03_training.ipynb", "config.yaml"]
+    assert (run / "train_rank1").exists() and not (run / "eval").exists() and not (run / "scenarios").exists()
+    assert workbench.read_manifest(run)["stages"]["train"] == {"status": "running"}  # rank 0's, untouched
 
 
 def test_limits_statement_names_models_and_limits_only_for_small_models():
