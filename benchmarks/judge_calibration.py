@@ -55,13 +55,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--answer-order", choices=["yes_no", "no_yes", "both"], default="yes_no")
+    parser.add_argument("--questions", default="on_situation,understood,intention",
+                        help="content questions asked (comma-separated); each one's P(yes) is reported, and "
+                             "the fit is of their mean")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
     turns, scenarios = load_replay(args.files)
     turns = sample_dialogues(turns, args.dialogues, args.seed)
     cfg = JudgeConfig(appraisal="expected", concurrency=args.concurrency, n_threads=args.threads, max_retries=1,
-                      expected_answer_order=args.answer_order)
+                      expected_answer_order=args.answer_order, expected_questions=args.questions.split(","))
     judge = build_simulator(cfg, args.seed)
     rows = []
     start = time.perf_counter()

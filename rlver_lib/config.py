@@ -122,6 +122,12 @@ class SimulatorConfig(_Strict):
     the natural-language guard; ``sage`` samples a JSON appraisal on SAGE's scale
     (-10, -5, 0, +5, +10) from a third-person analyser; ``first_person`` samples the
     older first-person JSON appraisal with an integer change in [-10, 10].
+    ``expected_questions``: the checklist's content questions (``on_situation``: the reply
+    stays on the person's own situation; ``understood``: it leaves them more understood;
+    ``intention``: the question tied to their hidden intention); the natural-language
+    guard is always asked. On SAGE's Chinese dialogues the intention question added no
+    agreement with SAGE's judge (docs/MEASURED.md), so the default leaves it out; the
+    system prompt still holds the hidden intention every answer is given in character.
     ``expected_answer_order``: the order the two answers are named in each question:
     ``yes_no`` (default) or ``no_yes`` ask once; ``both`` asks twice and averages P(yes).
     The embedded 1.5B model prefers whichever answer is named first, a near-constant shift
@@ -150,8 +156,12 @@ class SimulatorConfig(_Strict):
     appraisal_chars: int = Field(200, ge=20)
     message_chars: int = Field(400, ge=20)
     appraisal: Literal["expected", "sage", "first_person"] = "expected"
-    expected_center: float = Field(0.75, ge=0.0, le=1.0)
-    expected_scale: float = Field(40.0, gt=0)
+    # calibrated on 64 turns of SAGE's stored dialogues (benchmarks/judge_calibration.py,
+    # docs/MEASURED.md): the embedded 1.5B model's P(yes) spreads little (SD 0.03)
+    expected_questions: list[Literal["on_situation", "understood", "intention"]] = Field(
+        default_factory=lambda: ["on_situation", "understood"], min_length=1)
+    expected_center: float = Field(0.83, ge=0.0, le=1.0)
+    expected_scale: float = Field(240.0, gt=0)
     expected_answer_order: Literal["yes_no", "no_yes", "both"] = "yes_no"
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)

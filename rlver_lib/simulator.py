@@ -352,15 +352,16 @@ class ChecklistQuestion:
     guard: bool = False
 
 
-def checklist(scenario: Any) -> list[ChecklistQuestion]:
-    """The questions asked about every reply in this scenario: the generic content
-    questions, the one tied to its hidden intention, and the natural-language guard
-    (``rlver_lib/prompts/sim_checklist_<language>.json``). Raises ``KeyError`` for a
-    scenario whose ``hidden_intention`` has no question."""
+def checklist(scenario: Any, keys: Sequence[str] = ("on_situation", "understood", "intention")
+              ) -> list[ChecklistQuestion]:
+    """The questions asked about every reply in this scenario: the content questions named
+    by ``keys`` (``on_situation``, ``understood``, ``intention``: the one tied to its
+    hidden intention), in that order, then the natural-language guard
+    (``rlver_lib/prompts/sim_checklist_<language>.json``). Raises ``KeyError`` for an
+    unknown key or a ``hidden_intention`` without a question."""
     items = _checklist(scenario_language(scenario))
-    questions = [ChecklistQuestion(key, text) for key, text in items["content"].items()]
-    questions.append(ChecklistQuestion("intention", items["intention"][scenario.hidden_intention]))
-    return [*questions, ChecklistQuestion("guard", items["guard"], guard=True)]
+    texts = {**items["content"], "intention": items["intention"][scenario.hidden_intention]}
+    return [*(ChecklistQuestion(key, texts[key]) for key in keys), ChecklistQuestion("guard", items["guard"], guard=True)]
 
 
 @lru_cache(maxsize=None)
@@ -650,7 +651,7 @@ class UserSimulator:
         one dialogue per slot re-reads only the question (the transcript before it is the
         slot's cached prefix). A failed request is asked again at most ``max_retries``
         times within its round; a request with a question still unanswered fails."""
-        questions = [checklist(r.scenario) for r in requests]
+        questions = [checklist(r.scenario, self.cfg.expected_questions) for r in requests]
         orders = ("yes_no", "no_yes") if self.cfg.expected_answer_order == "both" else (
             self.cfg.expected_answer_order,)
         logs = [StructuredResult() for _ in requests]

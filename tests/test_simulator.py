@@ -365,7 +365,7 @@ from rlver_lib.simulator import (  # noqa: E402
 )
 
 EXPECTED = SimulatorConfig(appraisal="expected", expected_center=0.6, expected_scale=50.0,
-                           expected_answer_order="both")
+                           expected_answer_order="both", expected_questions=["on_situation", "understood", "intention"])
 
 
 class ScriptedScorer(ScriptedBackend):
@@ -503,6 +503,17 @@ def test_expected_appraisal_failed_question_fails_only_its_turn():
     assert turns[0].error is None and turns[0].change == pytest.approx(10.0)
     assert turns[1].change is None and "HTTP 400: context" in turns[1].error
     assert turns[1].attempts == 16  # four questions in two orders, each sent twice (one retry)
+
+
+def test_default_checklist_asks_the_configured_questions_and_the_guard():
+    sc = scenario()
+    backend = ScriptedScorer({"on_situation": 0.9, "understood": 0.8, "intention": 0.1, "guard": 1.0}).bind(sc)
+    [turn] = UserSimulator(backend, SimulatorConfig(expected_center=0.8, expected_scale=100.0),
+                           seed=0).appraise([request()])
+    # default: on_situation and understood (one order each), then the guard; the intention is not asked
+    assert [k for k, _ in backend.scored] == ["on_situation", "understood", "guard"]
+    # s = (0.95 + 0.85) / 2 = 0.9 ("yes or no" adds the scripted 0.05); 100 * (0.9 - 0.8) = 10
+    assert turn.change == pytest.approx(10.0)
 
 
 def test_expected_mode_refuses_a_backend_without_logprobs():
