@@ -1,54 +1,101 @@
-"""A small training driver for tests/test_multiprocess.py, launched for real:
+"""A small driver for tests/test_multiprocess.py, launched for real:
 
     ACCELERATE_USE_CPU=true torchrun --standalone --nproc_per_node 2 tests/mp_train.py RUN.json
 
-``RUN.json``: a list of ``{"config": {...build_config data...}, "scenarios": N}``,
-trained one after the other in the same processes (imports paid once). Each trains
-the embedded policy against the rule simulator and writes ``rank<r>.json`` into its
-run's ``train/`` folder: the launch as accelerate saw it and a checksum of the
-trained LoRA weights. Generation goes one conversation at a time with a seed derived
-from the conversation, so a dialogue samples the same tokens whichever process (and
-batch) it lands in, and a two-process run is comparable with a one-process run.
+``RUN.json``: a list of runs done one after the other in the same processes (imports
+paid once). A training run is ``{"config": {...build_config data...}, "scenarios": N}``
+plus optional keys:
+
+- ``identical``: the N scenarios differ only in their ids (the same persona, situation
+  and opening line), so two processes roll out the same conversation;
+- ``one_by_one`` (default true): generate one conversation at a time with a seed of
+  its own (:class:`OneByOne`), so a dialogue samples the same tokens whichever process
+  (and batch) it lands in and a two-process run is comparable with a one-process run;
+  false: the trainer's own batched backend and seeds;
+- ``change``: the rule simulator's change function, ``hashed`` (default: almost any two
+  replies differ, so GRPO groups carry signal) or ``starts_with_i``;
+- ``error_on_rank``: that process's simulated user fails every dialogue (it then has
+  nothing to train: zero-weight micro-batches);
+- ``expect_error``: the trainer must refuse the config (the message is recorded).
+
+Each run writes ``rank<r>.json`` into its ``train/`` folder: the launch as accelerate
+saw it, the process group's collective timeout, a checksum of the trained LoRA
+weights, the step-1 replies of this process and the scenarios whose dialogues failed.
+
+A pipeline run is ``{"pipeline": {...build_config data...}}``: every process calls
+``workbench.run_pipeline`` (the notebooks come from ``$RLVER_NOTEBOOKS``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import zlib
 from pathlib import Path
 
 import torch
 
-from rlver_lib.backends import TransformersBackend, conversation_seed
-from rlver_lib.config import build_config
+from rlver_lib.backends import TransformersBackend, conversation_seed, derive_seed
+from rlver_lib.config import ConfigError, build_config
+from rlver_lib.io import iter_jsonl
 from rlver_lib.scenarios import Scenario
-from rlver_lib.simulator import RuleSimulator
+from rlver_lib.simulator import RuleSimulator, SimulatorTurn
 
 OPENINGS = ["I had a rough day.", "My friend is mad at me.", "I feel stuck at work.", "Nobody listens to me."]
 
 
-def scenarios(n: int) -> list[Scenario]:
-    return [Scenario(id=f"s{i}", persona=f"Sam {i}, 30, a teacher", situation="Argued with a friend.",
-                     personality="negative", hidden_intention="be_heard", opening_line=OPENINGS[i % 4],
-                     language="en") for i in range(n)]
+def scenarios(n: int, identical: bool = False) -> list[Scenario]:
+    return [Scenario(id=f"s{i}", persona=f"Sam {0 if identical else i}, 30, a teacher",
+                     situation="Argued with a friend.", personality="negative", hidden_intention="be_heard",
+                     opening_line=OPENINGS[0 if identical else i % 4], language="en") for i in range(n)]
 
 
 def starts_with_i(reply: str) -> int:
     return 10 if reply.lstrip().startswith("I") else -10
 
 
+def hashed(reply: str) -> int:
+    return zlib.crc32(reply.encode("utf-8")) % 21 - 10
+
+
+class FailingFor(RuleSimulator):
+    """The rule simulator, except that dialogues of the given scenarios (all, when ``None``)
+    end in a simulator error at their first turn."""
+
+    def __init__(self, change_fn, scenario_ids: set[str] | None = None):
+        super().__init__(change_fn)
+        self.scenario_ids = scenario_ids
+        self.failed: set[str] = set()
+
+    def step(self, requests):
+        turns = super().step(requests)
+        out = []
+        for request, turn in zip(requests, turns):
+            scenario = request.dialogue_id.split("#")[0]
+            if self.scenario_ids is None or scenario in self.scenario_ids:
+                self.failed.add(scenario)
+                turn = SimulatorTurn(request.dialogue_id, None, None, request.emotion, request.emotion, "B", {},
+                                     None, False, error="outage")
+            out.append(turn)
+        return out
+
+
 class OneByOne:
-    """``TransformersBackend`` one conversation at a time; the k-th copy of a
-    conversation in a call gets the seed of (call seed, conversation, k)."""
+    """``TransformersBackend`` one conversation at a time; the k-th copy of a conversation
+    in a call gets a seed of (policy step, conversation, k), whatever the call's seed (a
+    process's stream): a dialogue then samples the same on every process."""
 
     def __init__(self, backend: TransformersBackend):
         self.backend = backend
+        self.step = 0
 
     def prompt_ids(self, conversation):
         return self.backend.prompt_ids(conversation)
 
     def sync_policy(self, model, step):
         self.backend.sync_policy(model, step)
+        self.step = step
 
     def generate(self, conversations, sampling, json_schema=None):
         from dataclasses import replace
@@ -58,34 +105,67 @@ class OneByOne:
         for conversation in conversations:
             key = json.dumps(conversation, sort_keys=True)
             seen[key] = seen.get(key, 0) + 1
-            seed = conversation_seed(sampling.seed, conversation + [{"role": "copy", "content": str(seen[key])}])
+            seed = conversation_seed(derive_seed("one-by-one", self.step),
+                                     conversation + [{"role": "copy", "content": str(seen[key])}])
             out += self.backend.generate([conversation], replace(sampling, seed=seed), json_schema)
         return out
 
 
-def train(config: dict, n_scenarios: int) -> list[dict]:
-    """Train as configured; returns the metrics rows (and writes ``rank<r>.json``)."""
+def _process_group_timeout_s() -> float | None:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    group = torch.distributed.distributed_c10d._get_default_group()
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def train(run: dict) -> list[dict]:
+    """Train as ``run`` says; returns the metrics rows (and writes ``rank<r>.json``)."""
     from rlver_lib.trainer import Trainer
 
-    cfg = build_config(config)
-    trainer = Trainer(cfg, scenarios(n_scenarios), simulator=RuleSimulator(starts_with_i))
-    trainer.policy_backend = OneByOne(trainer.policy_backend)
+    cfg = build_config(run["config"])
+    change = {"hashed": hashed, "starts_with_i": starts_with_i}[run.get("change", "hashed")]
+    rank = int(os.environ.get("RANK", "0"))
+    failing = run.get("failing_scenarios")
+    simulator = FailingFor(change, None if run.get("error_on_rank") == rank else set(failing or []))
+    out = cfg.run_dir / "train" / f"rank{rank}.json"
+    try:
+        trainer = Trainer(cfg, scenarios(run["scenarios"], run.get("identical", False)), simulator=simulator)
+    except ConfigError as err:
+        if not run.get("expect_error"):
+            raise
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"error": str(err)}), encoding="utf-8")
+        return []
+    if run.get("one_by_one", True):
+        trainer.policy_backend = OneByOne(trainer.policy_backend)
     rows = trainer.train()
     accelerator = trainer.accelerator
     lora = sum(float(p.double().sum()) for n, p in trainer.model.policy.named_parameters() if "lora_" in n)
+    dialogues = [r for _, r in iter_jsonl(cfg.run_dir / "train" / "dialogues" / "step_000001.jsonl")]
     info = {"process_index": accelerator.process_index, "num_processes": accelerator.num_processes,
             "distributed_type": str(accelerator.distributed_type), "lora_checksum": lora,
-            "steps": [r["step"] for r in rows]}
-    out = cfg.run_dir / "train" / f"rank{accelerator.process_index}.json"
+            "steps": [r["step"] for r in rows], "timeout_s": _process_group_timeout_s(),
+            "failed_scenarios": sorted(simulator.failed),
+            "replies": {d["dialogue_id"]: [x["content"] for x in d["transcript"] if x["role"] == "assistant"]
+                        for d in dialogues}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(info), encoding="utf-8")
     return rows
 
 
+def pipeline(config: dict) -> None:
+    from rlver_lib import workbench
+
+    workbench.run_pipeline(build_config(config), progress=False)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     for run in json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")):
-        train(run["config"], run["scenarios"])
+        if "pipeline" in run:
+            pipeline(run["pipeline"])
+        else:
+            train(run)
 
 
 if __name__ == "__main__":

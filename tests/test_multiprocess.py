@@ -1,14 +1,26 @@
 """Two real processes: ``ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2`` (accelerate's
 MULTI_CPU over gloo) training PPO and GRPO on the embedded policy with the rule simulator,
-with fewer scenarios per step than processes (one process has nothing to roll out) and
-with one each. Every launch runs under a timeout, so a hang fails the test.
+and the pipeline of ``rlver run`` on both ranks. Every launch runs under a timeout, so a
+hang fails the test.
 
-Each step-1 metric that depends on the update (losses, gradient norm, explained
-variance) must equal a one-process run of the same dialogues: the losses are normalised
-by the token count of the whole optimizer step over both processes, advantages are
-whitened over both, and the process without samples takes part with zero-weight work.
+- **Same as one process.** Each step-1 metric that depends on the update (losses,
+  gradient norm, explained variance) equals a one-process run of the same dialogues
+  (per-conversation seeds, ``tests/mp_train.py``): losses are normalised by the token
+  count of the whole optimizer step over both processes, advantages whitened over both;
+  in the PPO run one process's simulated user fails all its dialogues, so it trains on
+  nothing and takes part with zero-weight work.
+- **Global sizes.** The batch settings are global dialogues: 4 dialogues a step in
+  mini-batches of 2 make 2 optimizer steps of 2 samples on two processes, as on one; a
+  size that does not divide over the processes is refused.
+- **Distinct streams.** Two processes rolling out the same conversation sample
+  different replies (each process draws its own seed).
+- **The collective timeout** of the process group is ``distributed.timeout_s``.
+- **Rank-aware pipeline.** ``rlver run`` on two ranks (stand-in notebooks that call a
+  loopback "judge" and create their files exclusively): rank 1 runs training only, after
+  rank 0's baseline; the judge is called once per benchmark; every file has one writer.
+
 Plain ``torchrun`` (every process would train alone) is refused. Measured on a loaded
-2-core machine: about 1-3 min per algorithm.
+2-core machine: see the module's test durations (``pytest --durations``).
 """
 
 from __future__ import annotations
@@ -19,38 +31,48 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import nbformat
 import pytest
+from nbformat.v4 import new_code_cell, new_notebook
 
 from rlver_lib.io import iter_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = REPO / "tests" / "mp_train.py"
 LAUNCH_TIMEOUT_S = 900
+TIMEOUT_S = 4321.0  # distributed.timeout_s of every run: the process group must get it
 COMPARED = ("dialogues", "samples", "reward_mean", "policy_loss", "grad_norm", "entropy", "approx_kl_old",
-            "value_loss", "explained_variance")
+            "optimizer_steps", "samples_per_update")
+PPO_COMPARED = ("value_loss", "explained_variance")
 
 
-def _config(tmp_path: Path, name: str, algorithm: str, scenarios_per_step: int, steps: int, accumulation: int) -> dict:
+def _config(tmp_path: Path, name: str, algorithm: str, scenarios_per_step: int, *, steps: int = 1,
+            group_size: int = 1, mini_batch_size: int = 2, max_new_tokens: int = 3) -> dict:
     return {
         "run_name": name, "output_root": str(tmp_path), "seed": 7, "stages": ["train"],
-        "policy": {"dtype": "float32", "max_new_tokens": 3, "lora": {"r": 2, "alpha": 4}},
+        "policy": {"dtype": "float32", "max_new_tokens": max_new_tokens, "lora": {"r": 2, "alpha": 4}},
         "simulator": {"backend": "rule", "initial_emotion": 50},
         "rollout": {"max_turns": 1},
         "training": {"algorithm": algorithm, "steps": steps, "scenarios_per_step": scenarios_per_step,
-                     "group_size": 2, "mini_batch_size": 2, "grad_accum_steps": accumulation,
+                     "group_size": group_size, "mini_batch_size": mini_batch_size, "grad_accum_steps": 1,
                      "learning_rate": 1e-3, "value_learning_rate": 1e-3, "checkpoint_every": 1,
                      "keep_checkpoints": 1},
+        "distributed": {"timeout_s": TIMEOUT_S},
     }
 
 
-def _launch(tmp_path: Path, runs: list[dict], *, cpu: bool = True) -> tuple[subprocess.CompletedProcess, float]:
+def _launch(tmp_path: Path, runs: list[dict], *, cpu: bool = True,
+            env_extra: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     """torchrun with 2 processes over ``runs``; the whole process group is killed on timeout."""
     spec = tmp_path / f"runs-{len(list(tmp_path.glob('runs-*.json')))}.json"
     spec.write_text(json.dumps(runs), encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           **(env_extra or {})}
     env.pop("ACCELERATE_USE_CPU", None)
     if cpu:
         env["ACCELERATE_USE_CPU"] = "true"
@@ -72,50 +94,185 @@ def _rows(run_dir: Path) -> list[dict]:
     return [row for _, row in iter_jsonl(run_dir / "train" / "metrics.jsonl")]
 
 
-def _same(a: float, b: float, rel: float) -> bool:
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return a == pytest.approx(b, rel=rel, abs=1e-5)  # GRPO losses at ratio 1 are ~0: float noise
+def _ranks(run_dir: Path) -> list[dict]:
+    return [json.loads((run_dir / "train" / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _mismatched(two: dict, one: dict, keys) -> dict:
+    out = {}
+    for k in keys:
+        a, b = two[k], one[k]
+        if not (isinstance(a, (int, float)) and math.isfinite(a) and math.isfinite(b)):
+            out[k] = (a, b)  # every compared metric is defined here: NaN is a failure, not a match
+        elif a != pytest.approx(b, rel=2e-3, abs=1e-5):  # GRPO losses at ratio 1 are ~0: float noise
+            out[k] = (a, b)
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_two_processes_train_like_one(tmp_path, algorithm):
+def test_two_processes_train_like_one_with_global_sizes_and_their_own_streams(tmp_path):
     from mp_train import train
 
-    runs = [{"config": _config(tmp_path, f"{algorithm}-1", algorithm, 1, 2, 1), "scenarios": 3},
-            {"config": _config(tmp_path, f"{algorithm}-2", algorithm, 2, 1, 1), "scenarios": 3}]
+    runs = [
+        # GRPO: 2 scenarios x 2 rollouts, one optimizer step of all 4 dialogues
+        {"config": _config(tmp_path, "grpo", "grpo", 2, group_size=2, mini_batch_size=4), "scenarios": 3},
+        # PPO, two steps of one optimizer step; process 1's simulated user fails every dialogue:
+        # it trains on nothing
+        {"config": _config(tmp_path, "ppo", "ppo", 4, steps=2, mini_batch_size=4), "scenarios": 4,
+         "error_on_rank": 1},
+        # global sizes: 4 dialogues a step, mini-batches of 2 -> 2 optimizer steps of 2 samples
+        {"config": _config(tmp_path, "sizes", "ppo", 4), "scenarios": 4},
+        # the same conversation on both processes, the trainer's own backend and seeds
+        {"config": _config(tmp_path, "streams", "ppo", 2, max_new_tokens=8), "scenarios": 2,
+         "identical": True, "one_by_one": False},
+        # sizes that do not divide over 2 processes are refused
+        {"config": _config(tmp_path, "odd", "ppo", 1, mini_batch_size=1), "scenarios": 2, "expect_error": True},
+    ]
     done, wall = _launch(tmp_path, runs)
-    print(f"{algorithm}: two-process launch (scenarios_per_step 1 then 2) took {wall:.0f} s")
+    print(f"two-process launch of {len(runs)} runs took {wall:.0f} s")
     assert done.returncode == 0, done.stdout[-4000:]
 
-    for run, per_step in zip(runs, (1, 2)):
-        run_dir = tmp_path / run["config"]["run_name"]
-        ranks = [json.loads((run_dir / "train" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for name in ("grpo", "ppo", "sizes", "streams"):
+        run_dir = tmp_path / name
+        ranks = _ranks(run_dir)
         assert [(r["process_index"], r["num_processes"]) for r in ranks] == [(0, 2), (1, 2)]
         assert all(r["distributed_type"].endswith("MULTI_CPU") for r in ranks)
+        assert all(r["timeout_s"] == TIMEOUT_S for r in ranks)  # distributed.timeout_s reached the group
         assert ranks[0]["lora_checksum"] == ranks[1]["lora_checksum"]  # replicas stayed identical
         rows = _rows(run_dir)
         assert [r["step"] for r in rows] == ranks[0]["steps"] and all(r["num_processes"] == 2 for r in rows)
-        assert all(r["dialogues"] == 2 * per_step for r in rows)  # both processes' dialogues counted
-        dialogues = [d for _, d in iter_jsonl(run_dir / "train" / "dialogues" / "step_000001.jsonl")]
-        assert len(dialogues) == 2 * per_step
         checkpoint = sorted((run_dir / "train" / "checkpoints").iterdir())[-1]
         assert {"random_states_0.pkl", "random_states_1.pkl", "optimizer.bin"} <= {p.name for p in checkpoint.iterdir()}
 
-        # the same dialogues on one process, one optimizer step over all of them
-        reference = dict(run["config"], run_name=run["config"]["run_name"] + "-one")
-        reference["training"] = dict(reference["training"], steps=1, grad_accum_steps=per_step)
-        (one,) = train(reference, 3)
-        two = rows[0]
-        mismatched = {k: (two[k], one[k]) for k in COMPARED if not _same(two[k], one[k], rel=2e-3)}
+    # the same dialogues on one process: the same update
+    for name, algorithm_keys in (("grpo", COMPARED), ("ppo", COMPARED + PPO_COMPARED)):
+        spec = next(r for r in runs if r["config"]["run_name"] == name)
+        two = _rows(tmp_path / name)[0]
+        step_1 = [d for _, d in iter_jsonl(tmp_path / name / "train" / "dialogues" / "step_000001.jsonl")]
+        failed = sorted(d["scenario_id"] for d in step_1 if d["termination"] == "error")
+        assert two["samples"] > 0 and two["grad_norm"] > 0, two
+        if name == "grpo":
+            assert (two["dialogues"], two["samples"], two["zero_variance_group_share"]) == (4, 4, 0.0)
+        else:  # process 1's dialogues failed: process 0's alone are trained
+            assert (two["dialogues"], two["error_dialogues"], two["samples"]) == (4, 2, 2) and len(failed) == 2
+        reference = dict(spec["config"], run_name=f"{name}-one")
+        reference["training"] = dict(reference["training"], steps=1)
+        (one,) = train({**spec, "config": reference, "error_on_rank": None, "failing_scenarios": failed})
+        mismatched = _mismatched(two, one, algorithm_keys)
         assert not mismatched, mismatched
+
+    # global sizes: the optimizer steps and samples per update of one process
+    two = _rows(tmp_path / "sizes")[0]
+    (one,) = train({**runs[2], "config": dict(runs[2]["config"], run_name="sizes-one")})
+    for row in (two, one):
+        assert (row["dialogues"], row["optimizer_steps"], row["samples_per_update"],
+                row["dialogues_per_update"]) == (4, 2, 2.0, 2.0), row
+
+    # distinct streams: one conversation, two processes, two different replies
+    replies = _ranks(tmp_path / "streams")[0]["replies"]
+    assert sorted(replies) == ["s0#0", "s1#0"]
+    assert replies["s0#0"] != replies["s1#0"], replies
+
+    (refused,) = {json.dumps(r) for r in _ranks(tmp_path / "odd")}  # both processes refuse alike
+    error = json.loads(refused)["error"]
+    assert "scenarios_per_step=1 does not divide over 2 processes" in error
+    assert "mini_batch_size=1 (dialogues per optimizer step, over all processes) does not divide over 2" in error
+
+
+# ---------------------------------------------------------------- the pipeline on two ranks
+
+_JUDGE = """import os, json, urllib.request
+from pathlib import Path
+run = Path(run_dir)
+request = urllib.request.Request(os.environ['JUDGE_URL'], data=json.dumps(
+    {'rank': os.environ.get('RANK'), 'label': label}).encode(), method='POST')
+urllib.request.urlopen(request, timeout=30).read()
+(run / 'eval' / label).mkdir(parents=True, exist_ok=True)
+with open(run / 'eval' / label / 'summary.json', 'x') as f:  # a second writer fails here
+    f.write('{}')
+"""
+_TRAIN = """import os, json, time
+from pathlib import Path
+run = Path(run_dir)
+rank = os.environ['RANK']
+(run / 'train').mkdir(parents=True, exist_ok=True)
+with open(run / 'train' / f'started_rank{rank}.json', 'x') as f:
+    json.dump({'baseline_done': (run / 'eval' / 'baseline' / 'summary.json').exists(), 'at': time.time()}, f)
+if rank == '0':
+    time.sleep(1)
+    (run / 'train' / 'adapter').mkdir(parents=True, exist_ok=True)
+    with open(run / 'train' / 'adapter' / 'adapter_config.json', 'x') as f:
+        f.write('{}')
+"""
+_ANALYSIS = """import os
+from pathlib import Path
+with open(Path(run_dir) / 'analysis.txt', 'x') as f:
+    f.write(os.environ['RANK'])
+"""
+
+
+def _notebooks(folder: Path) -> Path:
+    folder.mkdir()
+    params = "params_file = None\nrun_dir = None\noverrides = {}\nlabel = 'baseline'\nadapter = None\n"
+    for name, body in (("04_evaluation.ipynb", _JUDGE), ("03_training.ipynb", _TRAIN),
+                       ("06_analysis.ipynb", _ANALYSIS)):
+        nb = new_notebook()
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        cell = new_code_cell(params)
+        cell.metadata["tags"] = ["parameters"]
+        nb.cells = [cell, new_code_cell(body)]
+        nbformat.write(nb, folder / name)
+    return folder
+
+
+class _Judge(BaseHTTPRequestHandler):
+    calls: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        _Judge.calls.append(json.loads(body))
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.slow
+def test_pipeline_on_two_ranks_benchmarks_once_and_trains_on_both(tmp_path):
+    _Judge.calls = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = {"run_name": "pipe", "output_root": str(tmp_path), "simulator": {"backend": "rule"},
+              "stages": ["baseline", "train", "evaluate", "analysis"]}
+    try:
+        done, wall = _launch(tmp_path, [{"pipeline": config}], env_extra={
+            "RLVER_NOTEBOOKS": str(_notebooks(tmp_path / "templates")),
+            "JUDGE_URL": f"http://127.0.0.1:{server.server_address[1]}/judge"})
+    finally:
+        server.shutdown()
+    print(f"two-rank pipeline took {wall:.0f} s")
+    assert done.returncode == 0, done.stdout[-4000:]
+    run = tmp_path / "pipe"
+    # the judge: one call per benchmark, all from rank 0
+    assert sorted((c["rank"], c["label"]) for c in _Judge.calls) == [("0", "baseline"), ("0", "trained")]
+    # training on both ranks; rank 1 started once rank 0 had finished the baseline
+    started = {r: json.loads((run / "train" / f"started_rank{r}.json").read_text()) for r in ("0", "1")}
+    assert started["0"]["baseline_done"] and started["1"]["baseline_done"]
+    assert (run / "analysis.txt").read_text() == "0"
+    # rank 1 executed the training notebook only; rank 0 wrote the manifest and the report
+    assert sorted(p.name for p in (run / "notebooks" / "rank1").iterdir()) == ["03_training.ipynb", "config.yaml"]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["runs"][0]["num_processes"] == 2
+    assert all(manifest["stages"][s]["status"] == "complete" for s in config["stages"])
+    assert (run / "report.html").is_file()
 
 
 @pytest.mark.slow
 def test_plain_torchrun_where_every_process_would_train_alone_is_refused(tmp_path):
-    done, wall = _launch(tmp_path, [{"config": _config(tmp_path, "alone", "grpo", 1, 1, 1), "scenarios": 2}],
-                         cpu=False)
+    done, wall = _launch(tmp_path, [{"config": _config(tmp_path, "alone", "grpo", 2, group_size=2),
+                                     "scenarios": 2}], cpu=False)
     assert done.returncode != 0
     assert "WORLD_SIZE=2 in the environment, but accelerate runs this process alone" in done.stdout
     assert "ACCELERATE_USE_CPU=true torchrun" in done.stdout

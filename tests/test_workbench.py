@@ -216,6 +216,19 @@ def test_non_main_rank_waits_for_rank_0_then_runs_only_training(tmp_path, notebo
     assert workbench.read_manifest(run)["stages"]["train"] == {"status": "running"}  # rank 0's, untouched
 
 
+def test_evaluate_on_a_non_main_rank_loads_nothing_and_calls_no_judge(tmp_path, monkeypatch):
+    from rlver_lib import evaluation, models
+
+    calls = []
+    monkeypatch.setattr(evaluation, "build_judge", lambda *a, **k: calls.append("judge"))
+    monkeypatch.setattr(models, "load_policy", lambda *a, **k: calls.append("policy"))
+    monkeypatch.setenv("RANK", "1")
+    cfg = _cfg(tmp_path)
+    assert workbench.evaluate(cfg, label="baseline") is None
+    assert workbench.eval_command(cfg) == 0
+    assert calls == [] and not cfg.run_dir.exists()
+
+
 def test_limits_statement_names_models_and_limits_only_for_small_models():
     small = build_config({"stages": ["baseline"]})
     text = workbench.limits_statement(small)
