@@ -65,7 +65,7 @@ def _cfg(tmp_path, name):
         "simulator": {"backend": "rule", "initial_emotion": 50},
         "rollout": {"max_turns": 1},
         "training": {"algorithm": "grpo", "steps": 2, "scenarios_per_step": 1, "group_size": 4,
-                     "mini_batch_size": 8, "learning_rate": 2e-2, "entropy_coef": 0.0,
+                     "mini_batch_size": 4, "learning_rate": 2e-2, "entropy_coef": 0.0,
                      "checkpoint_every": 1, "keep_checkpoints": 2},
     })
 
