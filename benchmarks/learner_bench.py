@@ -170,7 +170,8 @@ def learner_memory(args) -> dict:
                                             "policy.dtype": args.dtype_memory})
     torch.manual_seed(args.seed)
     model, tokenizer = learner.build_model(cfg)
-    length = cfg.policy.max_context_tokens + cfg.policy.max_new_tokens
+    context = cfg.policy.max_context_tokens if args.memory_context is None else args.memory_context
+    length = context + cfg.policy.max_new_tokens
     policy_tokens = cfg.policy.max_new_tokens
     g = torch.Generator().manual_seed(args.seed)
     samples = []
@@ -228,6 +229,8 @@ def main() -> None:
                         help="measure the learner step's peak memory at RECIPE's longest sequence instead")
     parser.add_argument("--dtype-memory", default="bfloat16", choices=["float32", "bfloat16"],
                         help="policy dtype of --learner-memory (the recipes': bfloat16)")
+    parser.add_argument("--memory-context", type=int, default=None,
+                        help="context tokens before the policy tokens (default: the recipe's max_context_tokens)")
     args = parser.parse_args()
     args.batch = args.batch or (1 if args.learner_memory is not None else 8)
     if args.learner_memory is not None:
