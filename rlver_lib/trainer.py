@@ -1,13 +1,18 @@
 """The learner loop: LoRA PPO and GRPO over multi-turn dialogues (the RLVER paper's
 training; docs/ARCHITECTURE.md "algorithms, trainer").
 
-A step: sample scenarios (:func:`sample_scenario_indices`); each process rolls out
-``group_size`` dialogues for its share (whole GRPO groups stay on one process);
-reward = final emotion / 100 minus ``format_penalty``; old (and reference) log-probs
-and old values are scored on exactly the sampled ids; advantages (GRPO: group-
-normalised, uninformative groups left out; PPO: GAE across turns, whitened over all
-processes); ``epochs_per_step`` passes of micro-batches through accelerate's gradient
-accumulation; one LR-scheduler step; the policy hand-over to the rollout backend.
+Batch sizes are global and counted in dialogues (:func:`batch_problems`), so a recipe
+means the same on any number of processes. A step: sample ``scenarios_per_step``
+scenarios (:func:`sample_scenario_indices`); each process rolls out ``group_size``
+dialogues for each scenario of its equal share (whole GRPO groups stay on one process),
+from its own random stream (:func:`process_seed`); reward = final emotion / 100 minus
+``format_penalty``; old (and reference) log-probs and old values are scored on exactly
+the sampled ids; advantages (GRPO: group-normalised, uninformative groups left out; PPO:
+GAE across turns, whitened over all processes); ``epochs_per_step`` passes, each one
+optimizer step per ``mini_batch_size`` trained dialogues of all processes
+(:func:`dialogue_windows`), a process's share split into ``grad_accum_steps``
+micro-batches through accelerate's gradient accumulation; one LR-scheduler step; the
+policy hand-over to the rollout backend.
 Every process takes part in the same collectives and optimizer steps every step
 (zero-weight micro-batches where it has no samples); losses are normalised by the
 token count of the whole optimizer step over all processes. Checkpoints:
