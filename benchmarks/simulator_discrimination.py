@@ -33,8 +33,8 @@ from rlver_lib.simulator import (
     SimulatorRequest,
     UserSimulator,
     appraisal_schema,
-    expected_change,
     appraise_messages,
+    expected_change,
     parse_appraisal,
 )
 

@@ -227,7 +227,8 @@ def appraise_turns(simulator: Any, turns: Sequence[ReplayTurn], scenarios: dict[
     ``float``; ``None`` where the appraisal failed for any reason (see
     :func:`_usable_change`), its reason appended to ``errors`` when given (``None`` for the
     turns that worked), and to ``dropped`` the messages left out of the judge's prompt to
-    fit its context (:func:`rlver_lib.simulator.fit_history`; 0 for most turns).  Uses ``simulator.appraise`` (appraisal only) when it has one, else
+    fit its context (:func:`rlver_lib.simulator.fit_history`; 0 for most turns).  Uses
+    ``simulator.appraise`` (appraisal only) when it has one, else
     ``simulator.step``; ``batch_size`` requests per call, in :func:`lane_order` (one turn
     per dialogue per call, each dialogue's turns in order), with a progress bar.
 
@@ -693,7 +694,8 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
     noise (:func:`retest_noise`); ``--exclude-profiles``: leave out every dialogue whose
     SAGE profile (record id) appears in the ``turns`` of an earlier result JSON (this
     command's, or the calibration benchmark's), so figures come from profiles that chose
-    nothing; ``--json``: write the :func:`judge_agreement` result to OUT.  Returns 0, or 2 after printing the error when a file is missing or bad (a bad
+    nothing; ``--json``: write the :func:`judge_agreement` result to OUT.  Returns 0, or 2
+    after printing the error when a file is missing or bad (a bad
     config raises :class:`rlver_lib.config.ConfigError`).
     """
     from rlver_lib.config import build_config, load_config
@@ -710,7 +712,8 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
     try:
         turns, scenarios = load_replay(files)
         if exclude_profiles:
-            used = {row["dialogue"].rsplit(":", 1)[-1] for row in json.loads(Path(exclude_profiles).read_text())["turns"]}
+            earlier = json.loads(Path(exclude_profiles).read_text())["turns"]
+            used = {row["dialogue"].rsplit(":", 1)[-1] for row in earlier}
             turns = [t for t in turns if t.record_id not in used]
         chosen = sample_turns(sample_dialogues(turns, dialogues, seed), sample, seed)
     except (FileNotFoundError, JsonlError, ScenarioFileError, ValueError, KeyError) as err:

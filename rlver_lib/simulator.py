@@ -34,7 +34,6 @@ from importlib import resources
 from string import Template
 from typing import Any, Callable, Literal, Sequence
 
-from rlver_lib.backends import BackendError as BackendError  # re-exported: what a failed simulator call raises
 from rlver_lib.backends import (
     BackendDied,
     ChatBackend,
@@ -45,6 +44,7 @@ from rlver_lib.backends import (
     derive_seed,
     structured_batch,
 )
+from rlver_lib.backends import BackendError as BackendError  # re-exported: what a failed simulator call raises
 from rlver_lib.config import SimulatorConfig
 
 Mood = Literal["S", "A", "B", "C", "F"]
@@ -361,7 +361,8 @@ def checklist(scenario: Any, keys: Sequence[str] = ("on_situation", "understood"
     unknown key or a ``hidden_intention`` without a question."""
     items = _checklist(scenario_language(scenario))
     texts = {**items["content"], "intention": items["intention"][scenario.hidden_intention]}
-    return [*(ChecklistQuestion(key, texts[key]) for key in keys), ChecklistQuestion("guard", items["guard"], guard=True)]
+    content = [ChecklistQuestion(key, texts[key]) for key in keys]
+    return [*content, ChecklistQuestion("guard", items["guard"], guard=True)]
 
 
 @lru_cache(maxsize=None)
@@ -663,7 +664,7 @@ class UserSimulator:
                 for i, top in self._score_round(convs, logs, f"{order}:{j}").items():
                     answers[i][(questions[i][j].key, order)] = top
         results: list[Any] = [None] * len(requests)
-        for i, request in enumerate(requests):
+        for i in range(len(requests)):
             for (key, order), top in answers[i].items():
                 logs[i].raw_outputs.append(json.dumps({"question": key, "order": order, "top_logprobs": top},
                                                       ensure_ascii=False))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import math
 import json
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib as _hashlib
+import http.server as _http_server
 import json
+import threading as _threading
+from contextlib import contextmanager as _contextmanager
+from pathlib import Path as _Path
+from types import SimpleNamespace as _NS
 
 import numpy as np
 import pandas as pd
@@ -519,12 +525,6 @@ def test_benchmark_counts_character_breaks_and_headline_shows_them(tmp_path):
 # (issue 21, point 2: every sampling setting, the field caps, n_ctx, the prompt files and
 # schemas actually used, and the model behind a served alias are part of a judge's identity)
 
-import hashlib as _hashlib
-import http.server as _http_server
-import threading as _threading
-from contextlib import contextmanager as _contextmanager
-from pathlib import Path as _Path
-from types import SimpleNamespace as _NS
 
 _PROMPTS = _Path(__file__).resolve().parents[1] / "rlver_lib" / "prompts"
 

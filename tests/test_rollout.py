@@ -22,6 +22,14 @@ from rlver_lib.simulator import UserSimulator
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=16)
 
 
+def sampled(**fields) -> SimulatorConfig:
+    """A simulator config with the sampled first-person appraisal (the scripted backends
+    answer JSON, not next-token log-probs)."""
+    return SimulatorConfig(appraisal="first_person", **fields)
+
+
+
+
 def scenario(sid: str, opening: str = "I had a rough day.", language: str = "en") -> Scenario:
     return Scenario(
         id=sid, persona=f"Persona {sid}", situation="A conflict at work.", personality="passive",
@@ -182,7 +190,7 @@ def test_simulator_error_ends_dialogue_and_private_fields_never_leak():
     backend = NoMessage()
     policy = ScriptedPolicy(lambda conv: "I hear you.")
     ok_policy_dialogue, = run(ScriptedPolicy(lambda c: "Fine."), RuleSimulator(), [scenario("b")], max_turns=1)
-    t, = run(policy, UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=2), seed=0), [scenario("a")], max_turns=3)
+    t, = run(policy, UserSimulator(backend, sampled(max_retries=2), seed=0), [scenario("a")], max_turns=3)
     assert t.termination == "error" and backend.calls == 1 + 3
     assert t.transcript[-1]["attempts"] == 4 and t.transcript[-1]["content"] is None and t.transcript[-1]["error"]
     assert len(policy.seen) == 1 and "PRIVATE" not in json.dumps(policy.seen)
@@ -206,7 +214,7 @@ def test_failed_opening_is_an_error_dialogue():
             return [Generation(text="garbage") for _ in conversations]
 
     policy = ScriptedPolicy(lambda conv: "Hi.")
-    t, = run(policy, UserSimulator(Broken(), SimulatorConfig(appraisal="first_person", max_retries=1), seed=0), [scenario("a", opening=None)])
+    t, = run(policy, UserSimulator(Broken(), sampled(max_retries=1), seed=0), [scenario("a", opening=None)])
     assert t.termination == "error" and t.final_emotion == 40 and policy.seen == []
 
 

@@ -26,6 +26,12 @@ from rlver_lib.simulator import (
 )
 
 
+def sampled(**fields) -> SimulatorConfig:
+    """A simulator config with the sampled first-person appraisal (the scripted backends
+    answer JSON, not next-token log-probs)."""
+    return SimulatorConfig(appraisal="first_person", **fields)
+
+
 def scenario(sid: str = "s1", language: str = "en", opening_line: str | None = "I had a rough day.") -> Scenario:
     return Scenario(
         id=sid, persona=f"Persona of {sid}, a night-shift nurse", situation="Her manager blamed her for a mix-up.",
@@ -155,7 +161,7 @@ def test_parse_reply_never_falls_back_to_reasoning():
 
 def test_step_applies_update_rule_and_records_everything():
     backend = ScriptedBackend([appraisal_json(8)], [reply_json("You get it. Thanks, bye!", end=True)])
-    sim = UserSimulator(backend, SimulatorConfig(appraisal="first_person"), seed=3)
+    sim = UserSimulator(backend, sampled(), seed=3)
     [turn] = sim.step([request(emotion=95)])
     # 95 + 8 = 103 -> ceiling 100
     assert (turn.raw_change, turn.change, turn.emotion_before, turn.emotion, turn.mood) == (8, 8, 95, 100, "S")
@@ -172,7 +178,7 @@ def test_step_applies_update_rule_and_records_everything():
 @pytest.mark.timeout(30)
 def test_garbage_output_is_retried_then_recorded_as_error():
     backend = ScriptedBackend(["not json at all"])
-    sim = UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=2), seed=0)
+    sim = UserSimulator(backend, sampled(max_retries=2), seed=0)
     [turn] = sim.step([request(emotion=50)])
     assert turn.attempts == 3 and turn.raw_outputs == ["not json at all"] * 3 and len(turn.failures) == 3
     assert turn.error is not None and "appraisal" in turn.error
@@ -185,14 +191,14 @@ def test_garbage_output_is_retried_then_recorded_as_error():
 @pytest.mark.timeout(30)
 def test_backend_errors_are_bounded_and_recorded():
     backend = FailingBackend()
-    [turn] = UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=1), seed=0).step([request()])
+    [turn] = UserSimulator(backend, sampled(max_retries=1), seed=0).step([request()])
     assert backend.n_calls == 2 and turn.attempts == 2 and turn.raw_outputs == []
     assert "connection refused" in turn.error
 
 
 def test_retry_succeeds_after_an_unusable_output():
     backend = ScriptedBackend(["{broken", appraisal_json(-4)])
-    [turn] = UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=2), seed=0).step([request(emotion=50)])
+    [turn] = UserSimulator(backend, sampled(max_retries=2), seed=0).step([request(emotion=50)])
     assert turn.error is None and turn.change == -4 and turn.emotion == 46
     assert turn.raw_outputs[0] == "{broken" and turn.attempts == 3  # 2 appraise + 1 reply
     assert turn.failures == [turn.failures[0]] and turn.failures[0].startswith("appraise attempt 1")
@@ -200,7 +206,7 @@ def test_retry_succeeds_after_an_unusable_output():
 
 def test_missing_reply_field_is_a_failure_not_a_leak():
     backend = ScriptedBackend([appraisal_json(3)], [reply_json(message=None)])
-    [turn] = UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=2), seed=0).step([request(emotion=50)])
+    [turn] = UserSimulator(backend, sampled(max_retries=2), seed=0).step([request(emotion=50)])
     assert turn.reply is None and turn.error is not None and "reply" in turn.error
     assert turn.attempts == 1 + 3
     assert turn.change == 3 and turn.emotion == 53  # the appraisal itself was genuine
@@ -208,7 +214,7 @@ def test_missing_reply_field_is_a_failure_not_a_leak():
 
 def test_out_of_range_change_is_unusable_not_clamped():
     backend = ScriptedBackend([appraisal_json(-50)])
-    [turn] = UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=0), seed=0).step([request(emotion=50)])
+    [turn] = UserSimulator(backend, sampled(max_retries=0), seed=0).step([request(emotion=50)])
     assert turn.attempts == 1 and turn.error is not None and turn.emotion == 50 and turn.change is None
 
 
@@ -225,16 +231,16 @@ class SeedEcho:
 
 
 def test_results_do_not_depend_on_batch_composition():
-    sim = UserSimulator(SeedEcho(), SimulatorConfig(appraisal="first_person"), seed=11)
+    sim = UserSimulator(SeedEcho(), sampled(), seed=11)
     alone = sim.step([request("a", turn=2)])[0]
     batched = sim.step([request("b", turn=2), request("c", turn=2), request("a", turn=2)])[2]
     assert (alone.change, alone.reply, alone.raw_outputs) == (batched.change, batched.reply, batched.raw_outputs)
-    other_seed = UserSimulator(SeedEcho(), SimulatorConfig(appraisal="first_person"), seed=12).step([request("a", turn=2)])[0]
+    other_seed = UserSimulator(SeedEcho(), sampled(), seed=12).step([request("a", turn=2)])[0]
     assert other_seed.raw_outputs != alone.raw_outputs
 
 
 def test_appraise_only_matches_step_and_has_no_reply():
-    sim = UserSimulator(SeedEcho(), SimulatorConfig(appraisal="first_person"), seed=5)
+    sim = UserSimulator(SeedEcho(), sampled(), seed=5)
     only = sim.appraise([request("a")])[0]
     full = sim.step([request("a")])[0]
     assert only.reply is None and only.goodbye is False and only.error is None
@@ -244,7 +250,7 @@ def test_appraise_only_matches_step_and_has_no_reply():
 def test_prompts_follow_language_and_difficulty():
     backend = ScriptedBackend([appraisal_json(1)])
     for difficulty in ("easy", "hard"):
-        UserSimulator(backend, SimulatorConfig(appraisal="first_person", difficulty=difficulty), seed=0).step([request(language="zh")])
+        UserSimulator(backend, sampled(difficulty=difficulty), seed=0).step([request(language="zh")])
     easy, hard = backend.calls[0][0][0], backend.calls[2][0][0]
     assert "你正在扮演" in easy[0]["content"] and "评估助手的最新回复" in easy[1]["content"]
     assert "宽容" in easy[1]["content"] and "拿不准时，选择负的变化" in hard[1]["content"]
@@ -258,16 +264,17 @@ def test_history_must_end_with_policy_reply():
     bad = request()
     bad.history = bad.history[:1]
     with pytest.raises(ValueError, match="policy reply"):
-        UserSimulator(ScriptedBackend([appraisal_json(1)]), SimulatorConfig(appraisal="first_person"), seed=0).step([bad])
+        UserSimulator(ScriptedBackend([appraisal_json(1)]), sampled(), seed=0).step([bad])
 
 
 def test_opening_lines_given_generated_or_none():
     given, missing = scenario("g"), scenario("m", opening_line=None)
     backend = ScriptedBackend([appraisal_json(0)], opening=['{"message": "Can we talk?"}'])
-    assert UserSimulator(backend, SimulatorConfig(appraisal="first_person"), seed=0).opening_lines([given, missing]) == ["I had a rough day.", "Can we talk?"]
+    lines = UserSimulator(backend, sampled(), seed=0).opening_lines([given, missing])
+    assert lines == ["I had a rough day.", "Can we talk?"]
     assert len(backend.calls) == 1 and len(backend.calls[0][0]) == 1  # only the missing one is generated
     broken = ScriptedBackend([appraisal_json(0)], opening=['{"text": "wrong field"}'])
-    assert UserSimulator(broken, SimulatorConfig(appraisal="first_person", max_retries=1), seed=0).opening_lines([missing]) == [None]
+    assert UserSimulator(broken, sampled(max_retries=1), seed=0).opening_lines([missing]) == [None]
     assert len(broken.calls) == 2
 
 
@@ -342,7 +349,7 @@ def test_field_caps_are_settings():
                 out = {"reasoning": "x", "message": "ok", "end_conversation": False}
             return [Generation(text=json.dumps(out)) for _ in conversations]
 
-    cfg = SimulatorConfig(appraisal="first_person", appraisal_chars=900, message_chars=1500)
+    cfg = sampled(appraisal_chars=900, message_chars=1500)
     UserSimulator(Recording(), cfg).step([request()])
     assert sent[0] == appraisal_schema(900)
     assert sent[0]["properties"]["reply_meaning"]["maxLength"] == 900
