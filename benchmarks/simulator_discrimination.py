@@ -96,10 +96,11 @@ def requests(n_personas: int = len(PERSONAS)) -> list[tuple[str, SimulatorReques
 
 def reversed_presentation(backend, cfg: SimulatorConfig, reqs, seed: int, turns) -> list[float | None]:
     """The control: the answer options in reverse order (see the module notes). For the
-    expected-value appraisal, the change from the "no or yes" answers alone, read off the
+    expected-value appraisal, the change from the other answer order alone, read off the
     main run's record (it asks both orders)."""
     if cfg.appraisal == "expected":
-        return [order_change(t.appraisal, "no_yes", cfg) if t.error is None else None for t in turns]
+        other = "no_yes" if cfg.expected_answer_order != "no_yes" else "yes_no"
+        return [order_change(t.appraisal, other, cfg) if t.error is None else None for t in turns]
     base = appraisal_schema(cfg.appraisal_chars, cfg.appraisal)
     schema = {**base, "properties": {**base["properties"],
               "change": {"type": "integer", "enum": sorted(SCALES[cfg.appraisal], reverse=True)}}}
@@ -147,23 +148,25 @@ def main(argv=None) -> dict:
     backend = make_simulator_backend(cfg, args.seed)
     kinds, reqs = zip(*requests(args.personas))
     start = time.perf_counter()
-    turns = UserSimulator(backend, cfg, seed=args.seed).appraise(list(reqs))
+    expected = cfg.appraisal == "expected"
+    # the expected-value appraisal asks both orders once; each order's change is read off the record
+    run_cfg = cfg.model_copy(update={"expected_answer_order": "both"}) if expected else cfg
+    turns = UserSimulator(backend, run_cfg, seed=args.seed).appraise(list(reqs))
     main_s = time.perf_counter() - start
-    print(f"main presentation ({main_s:.0f} s): {table(kinds, [t.change for t in turns])}", flush=True)
+    changes = [(order_change(t.appraisal, cfg.expected_answer_order, cfg) if expected else t.change)
+               if t.error is None else None for t in turns]
+    print(f"main presentation ({main_s:.0f} s): {table(kinds, changes)}", flush=True)
     control = reversed_presentation(backend, cfg, reqs, args.seed, turns)
     total_s = time.perf_counter() - start
-    changes = [t.change for t in turns]
     figures = {
         "settings": vars(args),
         "mean_change": table(kinds, changes),
         "mean_change_control": table(kinds, control),
-        **({"mean_change_yes_no_only": table(kinds, [order_change(t.appraisal, "yes_no", cfg) if t.error is None
-                                                     else None for t in turns])}
-           if cfg.appraisal == "expected" else {}),
+        **({"mean_change_both_orders": table(kinds, [t.change for t in turns])} if expected else {}),
         "valid_share": sum(c is not None for c in changes) / len(changes),
         "valid_share_control": sum(c is not None for c in control) / len(control),
         # the expected-value control is read off the main run: no second pass of appraisals
-        "appraisals_per_min": 60 * len(reqs) * (1 if cfg.appraisal == "expected" else 2) / total_s,
+        "appraisals_per_min": 60 * len(reqs) * (1 if expected else 2) / total_s,
         "seconds_main": main_s,
         "per_call": [{"reply_type": k, "dialogue_id": t.dialogue_id, "change": t.change, "control": c,
                       "inner_reaction": t.appraisal.get("inner_reaction"),
@@ -174,7 +177,7 @@ def main(argv=None) -> dict:
     }
     if args.json:
         atomic_write_json(args.json, figures)
-    columns = [c for c in ("mean_change", "mean_change_yes_no_only", "mean_change_control") if c in figures]
+    columns = [c for c in ("mean_change", "mean_change_control", "mean_change_both_orders") if c in figures]
     print(f"{'reply type':12s} " + " ".join(f"{c.replace('mean_change', 'change'):>24s}" for c in columns))
     for k in REPLY_TYPES:
         print(f"{k:12s} " + " ".join(f"{_fmt(figures[c][k]):>24s}" for c in columns))

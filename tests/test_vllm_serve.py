@@ -94,7 +94,7 @@ def _cfg(server, seed):
         "simulator": {"backend": "openai", "base_url": server.base_url, "model": server.served_model_name,
                       "temperature": 0.7, "max_new_tokens": 96, "concurrency": 1, "max_retries": 1,
                       "appraisal_chars": FIELD_CHARS, "message_chars": MESSAGE_CHARS,
-                      "timeout_s": 300},
+                      "timeout_s": 300, "appraisal": "first_person"},
         "evaluation": {"max_turns": 2, "bootstrap_samples": 20},
     })
 
@@ -160,3 +160,19 @@ def test_served_simulator_runs_a_benchmark_with_valid_records(server, policy, tm
         texts = [backend.generate([conversation], SamplingParams(temperature=1.0, max_new_tokens=32, seed=seed),
                                   json_schema=REPLY)[0].text for seed in (1, 1, 2, 3)]
     assert texts[0] == texts[1] and len(set(texts[1:])) == 3, texts
+
+
+def test_served_next_token_logprobs_read_the_models_distribution(server):
+    """The expected-value appraisal's reading on vLLM: ``logprobs``/``top_logprobs`` of the
+    first answer token; the most likely token is what greedy decoding emits, and the
+    probabilities are a (partial) distribution."""
+    import math
+
+    from rlver_lib.backends import OpenAIBackend
+
+    conversation = [{"role": "user", "content": "Is the sky blue on a clear day? Answer with one word: yes or no."}]
+    with OpenAIBackend(server.base_url, server.served_model_name, timeout_s=300, max_retries=1) as client:
+        [top] = client.next_token_logprobs([conversation], top_n=5)
+        [greedy] = client.generate([conversation], SamplingParams(temperature=0.0, max_new_tokens=1))
+    assert 1 <= len(top) <= 5 and sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-6
+    assert max(top, key=top.get) == greedy.text
