@@ -116,12 +116,14 @@ class SimulatorConfig(_Strict):
     function; for tiny test runs and CI, not for research).
 
     ``appraisal``: how a reply moves the emotion (docs/ARCHITECTURE.md "simulator"):
-    ``expected`` (default) asks the model a checklist of yes/no questions tied to the
-    hidden intention and reads P(yes) from its next-token distribution, a real-valued
-    change ``expected_scale * (mean P(yes) - expected_center)``, shrunk towards -10 by
-    the natural-language guard; ``sage`` samples a JSON appraisal on SAGE's scale
-    (-10, -5, 0, +5, +10) from a third-person analyser; ``first_person`` samples the
-    older first-person JSON appraisal with an integer change in [-10, 10].
+    ``first_person`` (default) samples a first-person JSON appraisal with an integer
+    change in [-10, 10]; ``sage`` samples a JSON appraisal on SAGE's scale (-10, -5, 0,
+    +5, +10) from a third-person analyser; ``expected`` asks the model yes/no questions
+    about the reply and reads P(yes) from its next-token distribution, a real-valued
+    change ``expected_scale * (mean P(yes) - expected_center)``, slid towards -10 by the
+    natural-language guard. ``expected`` is not the default: with the embedded model its
+    center, calibrated on SAGE's Chinese turns, does not transfer to held-out SAGE
+    turns or to English replies (docs/MEASURED.md).
     ``expected_questions``: the checklist's content questions (``on_situation``: the reply
     stays on the person's own situation; ``understood``: it leaves them more understood;
     ``intention``: the question tied to their hidden intention); the natural-language
@@ -155,7 +157,7 @@ class SimulatorConfig(_Strict):
     # strong judges (the paper recipes do)
     appraisal_chars: int = Field(200, ge=20)
     message_chars: int = Field(400, ge=20)
-    appraisal: Literal["expected", "sage", "first_person"] = "expected"
+    appraisal: Literal["expected", "sage", "first_person"] = "first_person"
     # calibrated on 64 turns of SAGE's stored dialogues (benchmarks/judge_calibration.py,
     # docs/MEASURED.md): the embedded 1.5B model's P(yes) spreads little (SD 0.03)
     expected_questions: list[Literal["on_situation", "understood", "intention"]] = Field(

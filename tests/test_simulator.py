@@ -515,7 +515,7 @@ def test_expected_appraisal_failed_question_fails_only_its_turn():
 def test_default_checklist_asks_the_configured_questions_and_the_guard():
     sc = scenario()
     backend = ScriptedScorer({"on_situation": 0.9, "understood": 0.8, "intention": 0.1, "guard": 1.0}).bind(sc)
-    [turn] = UserSimulator(backend, SimulatorConfig(expected_center=0.8, expected_scale=100.0),
+    [turn] = UserSimulator(backend, SimulatorConfig(appraisal="expected", expected_center=0.8, expected_scale=100.0),
                            seed=0).appraise([request()])
     # default: on_situation and understood (one order each), then the guard; the intention is not asked
     assert [k for k, _ in backend.scored] == ["on_situation", "understood", "guard"]
