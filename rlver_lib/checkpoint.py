@@ -117,12 +117,24 @@ class Checkpoints:
 
     def load(self, path: Path) -> None:
         """Restore accelerate's state from ``path`` on every rank. Raises
-        :class:`CheckpointError` on a folder this version cannot read."""
+        :class:`CheckpointError` on a folder this version cannot read, and under
+        DeepSpeed on a checkpoint written by another number of processes: ZeRO's
+        optimizer partitions are per rank, and DeepSpeed 0.19 refuses them
+        (``ZeRORuntimeException: ... DP world size of 2 but the current world size
+        is 1``) only after the model is loaded. Elsewhere that is a warning: the
+        RNG states of ranks without a saved state are not restored."""
         path = Path(path)
         if not (path / "random_states_0.pkl").is_file():
             raise CheckpointError(f"{path}: not an accelerate checkpoint (written by an older version?); "
                                   "move it away to start the run afresh")
         saved_processes = int(self.state(path).get("num_processes", 1))
+        if self.deepspeed and saved_processes != self.accelerator.num_processes:
+            raise CheckpointError(
+                f"{path}: written by {saved_processes} process(es) under DeepSpeed ZeRO, resumed on "
+                f"{self.accelerator.num_processes}: ZeRO's optimizer states are partitioned per process and "
+                f"DeepSpeed cannot re-partition them. Resume with {saved_processes} processes, or move the "
+                f"checkpoints folder away and start a new run from its adapter (policy.adapter: {path / 'adapter'}; "
+                "the optimizer state is lost)")
         if saved_processes != self.accelerator.num_processes:
             warnings.warn(f"{path}: written by {saved_processes} process(es), resumed on "
                           f"{self.accelerator.num_processes}: the RNG states of ranks without a saved state "

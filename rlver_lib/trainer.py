@@ -21,6 +21,7 @@ token count of the whole optimizer step over all processes. Checkpoints:
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import resource
@@ -131,15 +132,42 @@ def check_launch(accelerator) -> None:
                            "Use params/accelerate/ddp.yaml or zero2.yaml.")
 
 
+def process_group_kwargs(timeout_s: float):
+    """accelerate's ``InitProcessGroupKwargs`` for this launch: the collective timeout
+    ``timeout_s`` (seconds) of the whole launch (the process group is made once per
+    process) and, for a DeepSpeed launch on a machine without CUDA, the ``gloo``
+    backend. accelerate leaves the backend unset there (it knows NCCL and the other
+    accelerators' libraries only) and then counts one process, so DeepSpeed's batch
+    check fails (``train_batch_size ... 1 != 1 * 1 * 2``); DeepSpeed's CPU accelerator
+    itself communicates over gloo when oneCCL is absent."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
+    deepspeed_launch = (os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+                        and int(os.environ.get("LOCAL_RANK", "-1")) != -1)
+    if deepspeed_launch and not torch.cuda.is_available():
+        kwargs["backend"] = "gloo"
+    return InitProcessGroupKwargs(**kwargs)
+
+
 def configure_deepspeed(accelerator, training: TrainingConfig) -> None:
     """Under DeepSpeed, put the accumulation, clipping and micro-batch settings of
     ``training`` into the DeepSpeed config before ``prepare``: the engine, not the
     trainer, accumulates and clips there (``accelerator.clip_grad_norm_`` only reports
     its norm). A value the DeepSpeed config sets explicitly must agree, else
-    :class:`TrainerError`."""
+    :class:`TrainerError`.
+
+    accelerate hands every later ``Accelerator`` of a process the first one's plugin
+    (``rlver ablate`` trains several runs in one process), whose config accelerate and
+    this function filled in for the first run (``train_batch_size`` too); the launch's
+    config is therefore kept on first sight (``plugin.launch_config``) and restored,
+    in place, before each run's settings go in."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
+    launch = plugin.__dict__.setdefault("launch_config", copy.deepcopy(plugin.deepspeed_config))
+    plugin.deepspeed_config.clear()
+    plugin.deepspeed_config.update(copy.deepcopy(launch))
     # DeepSpeed's nominal micro-batch (its batch-size bookkeeping only: the trainer feeds the
     # engine itself): a process's dialogues per micro-batch, at least 1
     micro = max(1, training.mini_batch_size // (accelerator.num_processes * training.grad_accum_steps))
@@ -424,6 +452,15 @@ def empty_sample(pad_id: int) -> _Sample:
     return _Sample("", "", 0, torch.tensor([pad_id, pad_id]), torch.zeros(1))
 
 
+def rest_rollout_backend(backend: Any) -> None:
+    """Let the rollout ``backend`` free its device memory while the learner scores and
+    updates (its ``sleep``, where it has one: vLLM's sleep mode,
+    ``policy.vllm_sleep_mode``); it wakes up at its next ``generate``."""
+    sleep = getattr(backend, "sleep", None)
+    if sleep is not None:
+        sleep()
+
+
 def hand_over_policy(backend: Any, model: nn.Module, step: int) -> None:
     """Give the rollout ``backend`` the policy of ``step`` (its ``sync_policy``, where it has one)."""
     sync = getattr(backend, "sync_policy", None)
@@ -685,7 +722,6 @@ class Trainer:
     def __init__(self, cfg: RunConfig, train_scenarios: Sequence[Any], *,
                  simulator: Any | None = None, policy_backend: ChatBackend | None = None):
         from accelerate import Accelerator
-        from accelerate.utils import InitProcessGroupKwargs
         from transformers import set_seed
 
         from rlver_lib.models import make_policy_backend
@@ -696,10 +732,8 @@ class Trainer:
         training = cfg.training
         sample_scenario_indices(len(train_scenarios), 0, training.scenarios_per_step, cfg.seed)  # fail early
         self.cfg, self.training, self.scenarios = cfg, training, list(train_scenarios)
-        # the collective timeout of the whole launch (the process group is made once per process)
-        timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.distributed.timeout_s))
         self.accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps,
-                                       kwargs_handlers=[timeout])
+                                       kwargs_handlers=[process_group_kwargs(cfg.distributed.timeout_s)])
         self.accelerator.gradient_accumulation_steps = training.grad_accum_steps  # over any launcher default
         check_launch(self.accelerator)
         problems = batch_problems(training, self.accelerator.num_processes)
@@ -796,6 +830,7 @@ class Trainer:
             max_context_tokens=policy_cfg.max_context_tokens,
             format_violation=policy_cfg.format_violation, sampling=policy_cfg.sampling(rollout_seed))
         rollout_s = time.perf_counter() - start
+        rest_rollout_backend(self.policy_backend)
         self._stop_if_simulator_died(trajectories)
 
         rewards = {t.dialogue_id: train_reward(t, training.format_penalty) for t in trajectories}

@@ -16,11 +16,23 @@ plus optional keys:
   replies differ, so GRPO groups carry signal) or ``starts_with_i``;
 - ``error_on_rank``: that process's simulated user fails every dialogue (it then has
   nothing to train: zero-weight micro-batches);
-- ``expect_error``: the trainer must refuse the config (the message is recorded).
+- ``expect_error``: the trainer must refuse the config (the message is recorded);
+- ``interrupt_after``: train that many steps, drop the trainer, and let a new one (in
+  the same processes) resume from the checkpoint and finish the run;
+- ``hang_after_checkpoint``: once the checkpoint of that step is complete, the
+  simulated user of every process hangs in its next call (mid-step), after writing
+  ``train/hanging_rank<r>``: a fixed point for the test to kill the launch at.
 
 Each run writes ``rank<r>.json`` into its ``train/`` folder: the launch as accelerate
 saw it, the process group's collective timeout, a checksum of the trained LoRA
-weights, the step-1 replies of this process and the scenarios whose dialogues failed.
+weights, the step the run resumed from, the dtypes of the trainable weights (and,
+under DeepSpeed, of ZeRO's master copy), the step-1 replies of this process and the
+scenarios whose dialogues failed.
+
+Under DeepSpeed (``accelerate launch --config_file params/accelerate/zero2.yaml``) the
+driver turns off DeepSpeed's shared-memory all-reduce, a C++ op it would otherwise
+compile at start-up on CPU and uses only for inference (training collectives go
+through gloo), so no native code is built.
 
 A pipeline run is ``{"pipeline": {...build_config data...}}``: every process calls
 ``workbench.run_pipeline`` (the notebooks come from ``$RLVER_NOTEBOOKS``).
@@ -31,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -63,12 +76,17 @@ class FailingFor(RuleSimulator):
     """The rule simulator, except that dialogues of the given scenarios (all, when ``None``)
     end in a simulator error at their first turn."""
 
-    def __init__(self, change_fn, scenario_ids: set[str] | None = None):
+    def __init__(self, change_fn, scenario_ids: set[str] | None = None, hang_after: Path | None = None):
         super().__init__(change_fn)
         self.scenario_ids = scenario_ids
         self.failed: set[str] = set()
+        self.hang_after = hang_after  # a checkpoint folder
 
     def step(self, requests):
+        if self.hang_after is not None and (self.hang_after / "trainer_state.json").is_file():
+            rank = os.environ.get("RANK", "0")
+            (self.hang_after.parents[1] / f"hanging_rank{rank}").write_text("", encoding="utf-8")
+            time.sleep(3600)
         turns = super().step(requests)
         out = []
         for request, turn in zip(requests, turns):
@@ -86,9 +104,9 @@ class OneByOne:
     in a call gets a seed of (policy step, conversation, k), whatever the call's seed (a
     process's stream): a dialogue then samples the same on every process."""
 
-    def __init__(self, backend: TransformersBackend):
+    def __init__(self, backend: TransformersBackend, step: int = 0):
         self.backend = backend
-        self.step = 0
+        self.step = step  # the policy's step (a resumed trainer's)
 
     def prompt_ids(self, conversation):
         return self.backend.prompt_ids(conversation)
@@ -126,7 +144,9 @@ def train(run: dict) -> list[dict]:
     change = {"hashed": hashed, "starts_with_i": starts_with_i}[run.get("change", "hashed")]
     rank = int(os.environ.get("RANK", "0"))
     failing = run.get("failing_scenarios")
-    simulator = FailingFor(change, None if run.get("error_on_rank") == rank else set(failing or []))
+    hang = run.get("hang_after_checkpoint")
+    simulator = FailingFor(change, None if run.get("error_on_rank") == rank else set(failing or []),
+                           cfg.run_dir / "train" / "checkpoints" / f"step_{hang:06d}" if hang else None)
     out = cfg.run_dir / "train" / f"rank{rank}.json"
     try:
         trainer = Trainer(cfg, scenarios(run["scenarios"], run.get("identical", False)), simulator=simulator)
@@ -137,14 +157,28 @@ def train(run: dict) -> list[dict]:
         out.write_text(json.dumps({"error": str(err)}), encoding="utf-8")
         return []
     if run.get("one_by_one", True):
-        trainer.policy_backend = OneByOne(trainer.policy_backend)
+        trainer.policy_backend = OneByOne(trainer.policy_backend, trainer.step)
+    if run.get("interrupt_after"):
+        trainer.train(stop_after=run["interrupt_after"])
+        trainer.accelerator.wait_for_everyone()
+        del trainer
+        trainer = Trainer(cfg, scenarios(run["scenarios"], run.get("identical", False)), simulator=simulator)
+        if run.get("one_by_one", True):
+            trainer.policy_backend = OneByOne(trainer.policy_backend, trainer.step)
+    resumed_from = trainer.step
     rows = trainer.train()
     accelerator = trainer.accelerator
     lora = sum(float(p.double().sum()) for n, p in trainer.model.policy.named_parameters() if "lora_" in n)
+    zero = getattr(trainer.optimizer, "optimizer", None)  # under DeepSpeed: the ZeRO optimizer
+    masters = getattr(zero, "single_partition_of_fp32_groups", None)
     dialogues = [r for _, r in iter_jsonl(cfg.run_dir / "train" / "dialogues" / "step_000001.jsonl")]
     info = {"process_index": accelerator.process_index, "num_processes": accelerator.num_processes,
             "distributed_type": str(accelerator.distributed_type), "lora_checksum": lora,
             "steps": [r["step"] for r in rows], "timeout_s": _process_group_timeout_s(),
+            "resumed_from": resumed_from, "optimizer": type(zero).__name__,
+            "trainable_dtypes": {n: str(p.dtype) for n, p in trainer.model.named_parameters()
+                                 if p.requires_grad and ("lora_A" in n and "layers.0." in n or "value_head" in n)},
+            "master_dtypes": sorted({str(t.dtype) for t in masters}) if masters else None,
             "failed_scenarios": sorted(simulator.failed),
             "replies": {d["dialogue_id"]: [x["content"] for x in d["transcript"] if x["role"] == "assistant"]
                         for d in dialogues}}
@@ -161,6 +195,10 @@ def pipeline(config: dict) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT-compiled C++
     for run in json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")):
         if "pipeline" in run:
             pipeline(run["pipeline"])

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -67,9 +66,27 @@ def _config(tmp_path: Path, name: str, algorithm: str, scenarios_per_step: int, 
     }
 
 
+def kill_launch(process: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it: torchrun starts each worker in a
+    session of its own, so killing the launcher's process group would leave the workers
+    running (and holding its output pipe open)."""
+    import psutil
+
+    try:
+        launcher = psutil.Process(process.pid)
+        victims = [launcher, *launcher.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for victim in victims:
+        try:
+            victim.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def _launch(tmp_path: Path, runs: list[dict], *, cpu: bool = True,
             env_extra: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
-    """torchrun with 2 processes over ``runs``; the whole process group is killed on timeout."""
+    """torchrun with 2 processes over ``runs``; the launcher and its workers are killed on timeout."""
     spec = tmp_path / f"runs-{len(list(tmp_path.glob('runs-*.json')))}.json"
     spec.write_text(json.dumps(runs), encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -85,7 +102,7 @@ def _launch(tmp_path: Path, runs: list[dict], *, cpu: bool = True,
     try:
         output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_launch(process)
         output, _ = process.communicate()
         pytest.fail(f"two-process run did not finish within {LAUNCH_TIMEOUT_S} s (hang?):\n{output[-3000:]}")
     return subprocess.CompletedProcess(command, process.returncode, output, ""), time.perf_counter() - start

@@ -165,7 +165,56 @@ def test_deepspeed_config_gets_accumulation_clipping_and_micro_batch():
                       "gradient_clipping": 0.5}
     with pytest.raises(TrainerError, match="gradient_clipping=1.0 but training.max_grad_norm is 0.5"):
         configure_deepspeed(_FakeAccelerator(deepspeed_config={"gradient_clipping": 1.0}), training)
+    # a second run in the same process gets the same plugin (accelerate's rule), filled in by
+    # the first run: the launch's "auto" values come back before the second run's go in
+    accelerator = _FakeAccelerator(deepspeed_config=dict(config, gradient_accumulation_steps="auto",
+                                                         train_micro_batch_size_per_gpu="auto"))
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    configure_deepspeed(accelerator, training)
+    config["train_batch_size"] = 8  # what accelerate's prepare fills in
+    second = build_config({"training": {"grad_accum_steps": 1, "max_grad_norm": 0.5, "mini_batch_size": 4}}).training
+    configure_deepspeed(accelerator, second)
+    assert config == {"gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5}
     configure_deepspeed(_FakeAccelerator(), training)  # no DeepSpeed: nothing to do
+
+
+class _CheckpointAccelerator(_FakeAccelerator):
+    """What ``Checkpoints`` uses of an accelerator; ``load_state`` records its calls."""
+
+    def __init__(self, num_processes, deepspeed):
+        super().__init__(num_processes, deepspeed_config={} if deepspeed else None)
+        self.loaded = []
+
+    def register_save_state_pre_hook(self, hook):
+        pass
+
+    def register_load_state_pre_hook(self, hook):
+        pass
+
+    def load_state(self, path, **kwargs):
+        self.loaded.append((path, kwargs))
+
+
+def test_a_zero_checkpoint_of_another_process_count_is_refused_before_deepspeed_loads_it(tmp_path):
+    from rlver_lib.checkpoint import STATE_FILE, CheckpointError, Checkpoints
+
+    folder = tmp_path / "step_000001"
+    folder.mkdir()
+    (folder / "random_states_0.pkl").write_bytes(b"")
+    (folder / STATE_FILE).write_text('{"step": 1, "num_processes": 2}', encoding="utf-8")
+    # DeepSpeed cannot re-partition ZeRO's optimizer states (it raises only after loading the model)
+    accelerator = _CheckpointAccelerator(1, deepspeed=True)
+    with pytest.raises(CheckpointError, match=r"written by 2 process\(es\) under DeepSpeed ZeRO, resumed on 1.*"
+                                              r"policy.adapter: .*step_000001/adapter"):
+        Checkpoints(accelerator, tmp_path, torch.nn.Linear(1, 1), keep=1).load(folder)
+    assert accelerator.loaded == []
+    accelerator = _CheckpointAccelerator(2, deepspeed=True)
+    Checkpoints(accelerator, tmp_path, torch.nn.Linear(1, 1), keep=1).load(folder)
+    assert accelerator.loaded == [(str(folder), {"load_module_strict": False})]
+    accelerator = _CheckpointAccelerator(1, deepspeed=False)  # without DeepSpeed: a warning
+    with pytest.warns(UserWarning, match="RNG states of ranks without a saved state are not restored"):
+        Checkpoints(accelerator, tmp_path, torch.nn.Linear(1, 1), keep=1).load(folder)
+    assert len(accelerator.loaded) == 1
 
 
 @pytest.mark.parametrize("schedule,warmup,expected", [
@@ -381,6 +430,27 @@ def test_atomic_directory_replaces_whole_or_not_at_all(tmp_path):
 # ---------------------------------------------------------------- the real policy
 
 
+class _Resting:
+    """A rollout backend that records its generate, sleep and sync_policy calls."""
+
+    def __init__(self, backend):
+        self.backend, self.events = backend, []
+
+    def prompt_ids(self, conversation):
+        return self.backend.prompt_ids(conversation)
+
+    def generate(self, *args, **kwargs):
+        self.events.append("generate")
+        return self.backend.generate(*args, **kwargs)
+
+    def sleep(self):
+        self.events.append("sleep")
+
+    def sync_policy(self, model, step):
+        self.events.append("sync")
+        self.backend.sync_policy(model, step)
+
+
 @pytest.mark.slow
 def test_first_mini_batch_has_ratio_one_at_temperature_0_7_and_warmup_is_honoured(tmp_path):
     torch.set_num_threads(2)
@@ -391,7 +461,14 @@ def test_first_mini_batch_has_ratio_one_at_temperature_0_7_and_warmup_is_honoure
         "training": {"algorithm": "ppo", "steps": 2, "scenarios_per_step": 1, "group_size": 2,
                      "mini_batch_size": 2, "epochs_per_step": 1, "learning_rate": 1e-3, "warmup_steps": 2,
                      "checkpoint_every": 100}})
-    rows = Trainer(cfg, _scenarios(2), simulator=RuleSimulator(starts_with_i)).train()
+    trainer = Trainer(cfg, _scenarios(2), simulator=RuleSimulator(starts_with_i))
+    trainer.policy_backend = _Resting(trainer.policy_backend)
+    rows = trainer.train()
+    # the rollout backend rests (vLLM's sleep mode) once a step, after its last turn's
+    # generation, and before the update (the hand-over of the updated policy)
+    events = trainer.policy_backend.events
+    assert [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]] == ["generate", "sleep", "sync"] * 2
+    assert events.count("generate") >= 4  # 2 turns a step
     for row in rows:
         assert row["approx_kl_old"] < 1e-6 and row["clip_fraction"] == 0.0
         # the learner's old log-probs are the ones the policy sampled with (fp32)

@@ -1,0 +1,204 @@
+"""DeepSpeed ZeRO-2 run for real on CPU, and a two-process run killed with SIGKILL and resumed.
+
+Both launch ``tests/mp_train.py`` on 2 real processes (the embedded policy, 2 one-turn
+dialogues a step of 3 tokens, LoRA r = 2, a linear LR schedule, a checkpoint every step):
+
+- **DDP references, kill -9 and resume** (``ACCELERATE_USE_CPU=true torchrun``, gloo):
+  the first launch trains GRPO for 2 steps, then starts PPO and is killed with SIGKILL
+  (torchrun and both workers) in step 2's rollout, after the step-1 checkpoint (the
+  driver's simulated user hangs there, so the kill lands at the same point every
+  time); a second launch resumes that run from the checkpoint (accelerate's ``load_state``:
+  optimizer, LR scheduler, every rank's RNG states, the trainable weights) and then
+  trains the same PPO run uninterrupted. The resumed run's step-2 metrics and final
+  adapter equal the uninterrupted run's.
+- **ZeRO-2** (``accelerate launch --config_file params/accelerate/zero2.yaml
+  --num_processes 2``; DeepSpeed's CPU accelerator over gloo): in float32
+  (``--mixed_precision no``) GRPO and PPO for 2 steps give the DDP runs' metrics
+  (relative 1e-4, absolute 1e-5 for the ~0 policy losses at ratio 1) and an adapter
+  within 1e-3 of the DDP run's (relative to the trained ``lora_B`` weights, which
+  start at 0), with the schedule's learning rates (the LR scheduler is built on the
+  raw AdamW before ``prepare`` and must reach ZeRO's optimizer); as
+  ``zero2.yaml`` stands (bf16) the engine casts the LoRA weights and the value head
+  to bfloat16 and keeps float32 master weights in ZeRO's partitions, and a run
+  interrupted after step 1 and resumed from its ZeRO checkpoint (every rank's
+  optimizer partition, ``exclude_frozen_parameters``) ends bit-identical to the
+  uninterrupted run. Each launch trains several runs in the same processes with
+  different batch settings, as ``rlver ablate`` does (the DeepSpeed config is the
+  launch's again for each run).
+
+Measured on a shared, loaded 2-core machine: about 45 s for the DDP launches with the
+kill, 40 s and 35 s for the float32 and bf16 ZeRO-2 launches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_multiprocess import DRIVER, LAUNCH_TIMEOUT_S, REPO, _config, _ranks, _rows, kill_launch
+
+ZERO2 = REPO / "params" / "accelerate" / "zero2.yaml"
+LEARNING_RATE = 1e-3
+# linear decay over 2 steps (to 0 one step after the last): steps 1 and 2 run at 2/3 and 1/3
+SCHEDULE = [LEARNING_RATE * 2 / 3, LEARNING_RATE / 3]
+COMPARED = ("dialogues", "samples", "reward_mean", "policy_loss", "grad_norm", "entropy", "approx_kl_old",
+            "learning_rate", "optimizer_steps", "samples_per_update")
+PPO_COMPARED = ("value_loss", "explained_variance")
+
+
+def _run(tmp_path: Path, name: str, algorithm: str, **extra) -> dict:
+    """A 2-step run of 2 one-turn dialogues a step (GRPO: one scenario x 2 on each process)."""
+    sizes = {"group_size": 2, "mini_batch_size": 4} if algorithm == "grpo" else {"mini_batch_size": 2}
+    config = _config(tmp_path, name, algorithm, 2, steps=2, **sizes)
+    config["training"]["lr_schedule"] = "linear"
+    return {"config": config, "scenarios": 4, **extra}
+
+
+def _start(tmp_path: Path, runs: list[dict], launcher: list[str], *, cpu: bool) -> subprocess.Popen:
+    spec = tmp_path / f"runs-{len(list(tmp_path.glob('runs-*.json')))}.json"
+    spec.write_text(json.dumps(runs), encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    if cpu:
+        env["ACCELERATE_USE_CPU"] = "true"
+    return subprocess.Popen([sys.executable, "-m", *launcher, str(DRIVER), str(spec)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(process: subprocess.Popen) -> str:
+    """Wait for the launch; its output. Fails (after killing the whole group) on a hang or an error."""
+    try:
+        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_launch(process)
+        output, _ = process.communicate()
+        pytest.fail(f"launch did not finish within {LAUNCH_TIMEOUT_S} s (hang?):\n{output[-3000:]}")
+    assert process.returncode == 0, output[-5000:]
+    return output
+
+
+TORCHRUN = ["torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def _zero2(*extra: str) -> list[str]:
+    return ["accelerate.commands.launch", "--config_file", str(ZERO2), "--num_processes", "2",
+            "--main_process_port", "0", *extra]
+
+
+def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "train" / "adapter" / "adapter_model.safetensors"))
+
+
+def _lora_b_gap(run: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """``||B - B_ref|| / ||B_ref||`` over every ``lora_B`` weight (they start at 0: this is
+    the gap relative to what training moved)."""
+    keys = sorted(k for k in reference if "lora_B" in k)
+    diff = torch.cat([(run[k].double() - reference[k].double()).flatten() for k in keys])
+    return float(diff.norm() / torch.cat([reference[k].double().flatten() for k in keys]).norm())
+
+
+def _mismatched(row: dict, reference: dict, keys, *, rel: float, abs_: float) -> dict:
+    return {k: (row[k], reference[k]) for k in keys
+            if not (isinstance(row[k], (int, float)) and math.isfinite(row[k]) and math.isfinite(reference[k])
+                    and row[k] == pytest.approx(reference[k], rel=rel, abs=abs_))}
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> dict:
+    """The DDP launches: GRPO, PPO killed with SIGKILL after its step-1 checkpoint, then
+    (a new launch) that PPO run resumed and the same PPO run uninterrupted."""
+    tmp_path = tmp_path_factory.mktemp("ddp")
+    start = time.perf_counter()
+    killed = tmp_path / "ppo-killed"
+    process = _start(tmp_path, [_run(tmp_path, "grpo", "grpo"),
+                                _run(tmp_path, "ppo-killed", "ppo", hang_after_checkpoint=1)], TORCHRUN, cpu=True)
+    hanging = [killed / "train" / f"hanging_rank{r}" for r in (0, 1)]
+    while not all(p.is_file() for p in hanging) and process.poll() is None:
+        assert time.perf_counter() - start < LAUNCH_TIMEOUT_S, "the run never reached step 2"
+        time.sleep(0.1)
+    kill_launch(process)  # kill -9 mid-step 2: torchrun and both workers
+    output, _ = process.communicate()
+    assert all(p.is_file() for p in hanging) and process.returncode == -signal.SIGKILL, output[-5000:]
+    at_kill = [r["step"] for r in _rows(killed)]
+    _finish(_start(tmp_path, [_run(tmp_path, "ppo-killed", "ppo"), _run(tmp_path, "ppo", "ppo")], TORCHRUN,
+                   cpu=True))
+    print(f"DDP launches with the kill took {time.perf_counter() - start:.0f} s")
+    return {"root": tmp_path, "steps_at_kill": at_kill}
+
+
+@pytest.mark.slow
+def test_two_processes_killed_with_sigkill_resume_to_the_uninterrupted_result(ddp):
+    root = ddp["root"]
+    assert ddp["steps_at_kill"] == [1]  # killed in step 2's rollout
+    resumed, uninterrupted = _ranks(root / "ppo-killed"), _ranks(root / "ppo")
+    assert [r["resumed_from"] for r in resumed] == [1, 1] and [r["resumed_from"] for r in uninterrupted] == [0, 0]
+    assert all(r["distributed_type"].endswith("MULTI_CPU") and r["num_processes"] == 2 for r in resumed)
+    rows, reference = _rows(root / "ppo-killed"), _rows(root / "ppo")
+    assert [r["step"] for r in rows] == [1, 2] and [r["learning_rate"] for r in reference] == pytest.approx(SCHEDULE)
+    assert reference[1]["samples"] > 0 and reference[1]["grad_norm"] > 0
+    for row, ref in zip(rows, reference):
+        assert not _mismatched(row, ref, COMPARED + PPO_COMPARED, rel=1e-6, abs_=1e-9), (row, ref)
+    adapter, expected = _adapter(root / "ppo-killed"), _adapter(root / "ppo")
+    assert adapter.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(adapter[key], expected[key], rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.slow
+def test_zero2_trains_like_ddp_and_resumes_bit_identically(tmp_path, request):
+    start = time.perf_counter()
+    _finish(_start(tmp_path, [_run(tmp_path, "grpo", "grpo"), _run(tmp_path, "ppo", "ppo")],
+                   _zero2("--mixed_precision", "no"), cpu=False))
+    fp32_s = time.perf_counter() - start
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    _finish(_start(bf16, [_run(bf16, "ppo", "ppo"), _run(bf16, "ppo-resumed", "ppo", interrupt_after=1)],
+                   _zero2(), cpu=False))
+    print(f"ZeRO-2 launches took {fp32_s:.0f} s (float32) and {time.perf_counter() - start - fp32_s:.0f} s (bf16)")
+    ddp = request.getfixturevalue("ddp")  # after the ZeRO-2 launches: a broken launch fails first
+
+    # float32 ZeRO-2 against DDP: the same metrics and (nearly) the same adapter
+    for name, keys in (("grpo", COMPARED), ("ppo", COMPARED + PPO_COMPARED)):
+        ranks = _ranks(tmp_path / name)
+        assert all(r["distributed_type"].endswith("DEEPSPEED") and r["num_processes"] == 2 for r in ranks)
+        assert {r["optimizer"] for r in ranks} == {"DeepSpeedZeroOptimizer"}
+        assert ranks[0]["lora_checksum"] == ranks[1]["lora_checksum"]
+        rows, reference = _rows(tmp_path / name), _rows(ddp["root"] / name)
+        assert [r["learning_rate"] for r in rows] == pytest.approx(SCHEDULE)
+        assert all(r["samples"] > 0 and r["grad_norm"] > 0 for r in rows)
+        for row, ref in zip(rows, reference, strict=True):
+            mismatched = _mismatched(row, ref, keys, rel=1e-4, abs_=1e-5)
+            assert not mismatched, (name, row["step"], mismatched)
+        gap = _lora_b_gap(_adapter(tmp_path / name), _adapter(ddp["root"] / name))
+        print(f"{name}: ZeRO-2 adapter vs DDP: {gap:.2e} of the trained lora_B weights")
+        assert gap < 1e-3
+
+    # zero2.yaml as it stands: bf16 weights in the engine, float32 masters, exact resume
+    for name in ("ppo", "ppo-resumed"):
+        ranks = _ranks(bf16 / name)
+        assert {d for r in ranks for d in r["trainable_dtypes"].values()} == {"torch.bfloat16"}
+        assert any("value_head" in k for k in ranks[0]["trainable_dtypes"])
+        assert [r["master_dtypes"] for r in ranks] == [["torch.float32"]] * 2
+    assert [r["resumed_from"] for r in _ranks(bf16 / "ppo-resumed")] == [1, 1]
+    checkpoint = next((bf16 / "ppo-resumed" / "train" / "checkpoints").iterdir())
+    partitions = {p.name for p in (checkpoint / "pytorch_model").iterdir() if p.name.endswith("_optim_states.pt")}
+    assert partitions == {"bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                          "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"}  # one per rank
+    rows, reference = _rows(bf16 / "ppo-resumed"), _rows(bf16 / "ppo")
+    for row, ref in zip(rows, reference, strict=True):
+        assert not _mismatched(row, ref, COMPARED + PPO_COMPARED, rel=0, abs_=0), (row, ref)
+    adapter, expected = _adapter(bf16 / "ppo-resumed"), _adapter(bf16 / "ppo")
+    assert all(torch.equal(adapter[k], expected[k]) for k in expected)
+    # bf16 against float32 at step 1 (the same dialogues): the update within bf16's precision
+    row, ref = reference[0], _rows(tmp_path / "ppo")[0]
+    assert row["reward_mean"] == ref["reward_mean"]
+    assert not _mismatched(row, ref, ("grad_norm", "value_loss", "entropy"), rel=3e-2, abs_=1e-3), (row, ref)
