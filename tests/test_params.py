@@ -123,6 +123,9 @@ PAPER_SHARED.update({  # later fixes: RLVER's released training simulators start
 PAPER_SHARED.update({  # the benchmark judge on an endpoint and model of its own, not the simulator's alias
     "evaluation.judge.base_url": "http://localhost:8001/v1", "evaluation.judge.model": "sentient-judge",
 })
+PAPER_SHARED.update({  # vLLM's memory on a GPU shared with the learner: a batched-token cap, sleep mode
+    "policy.vllm_max_num_batched_tokens": 4096, "policy.vllm_sleep_mode": True,
+})
 PAPER_VARIANTS = {  # run_name: (training.algorithm, group_size, policy.think, max_new_tokens, difficulty)
     "paper-grpo-nothink-hard": ("grpo", 4, False, 512, "hard"),
     "paper-grpo-nothink-moderate": ("grpo", 4, False, 512, "moderate"),

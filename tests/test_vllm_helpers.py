@@ -1,7 +1,8 @@
 """The vLLM-independent parts of the vLLM CPU path, in the default run (no vLLM needed):
-device resolution, the engine and server settings per device, and the server's
-process-group life cycle (on a stand-in server: a process that starts a worker child and
-answers ``GET /v1/models``, as ``vllm serve`` does)."""
+device resolution, the engine and server settings per device, the paper recipes' engine
+settings as they reach ``vllm.LLM`` and the sleep / wake-up calls (on a stand-in ``vllm``
+module), and the server's process-group life cycle (on a stand-in server: a process that
+starts a worker child and answers ``GET /v1/models``, as ``vllm serve`` does)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,94 @@ def test_cpu_engine_settings():
     with pytest.raises(ValueError, match="unknown vLLM device"):
         engine_kwargs("tpu", gpu_memory_utilization=0.5, kv_cache_gb=None, enforce_eager=False,
                       enable_prefix_caching=None)
+
+
+def test_batched_tokens_and_sleep_mode_reach_the_engine_settings():
+    common = {"gpu_memory_utilization": 0.35, "kv_cache_gb": None, "enforce_eager": False,
+              "enable_prefix_caching": None}
+    gpu = engine_kwargs("cuda", **common, max_num_batched_tokens=4096, sleep_mode=True)
+    assert gpu == {"gpu_memory_utilization": 0.35, "enforce_eager": False, "max_num_batched_tokens": 4096,
+                   "enable_sleep_mode": True}
+    assert "enable_sleep_mode" not in engine_kwargs("cuda", **common) and "max_num_batched_tokens" not in \
+        engine_kwargs("cuda", **common)
+    assert engine_kwargs("cpu", **common, max_num_batched_tokens=1024)["max_num_batched_tokens"] == 1024
+    with pytest.raises(ValueError, match="sleep mode needs CUDA.*Sleep mode is not supported on current platform"):
+        engine_kwargs("cpu", **common, sleep_mode=True)
+
+
+class _Engine:
+    """A stand-in ``vllm.LLM``: records its keyword arguments and the sleep / wake-up calls."""
+
+    made: list["_Engine"] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls = kwargs, []
+        _Engine.made.append(self)
+
+    def get_tokenizer(self):
+        return type("Tokenizer", (), {"eos_token_id": 2, "apply_chat_template":
+                                      lambda self, conversation, **kw: {"input_ids": [1, 5, 6]}})()
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self):
+        self.calls.append(("wake_up",))
+
+    def generate(self, prompts, params, **kwargs):
+        self.calls.append(("generate", len(prompts)))
+        return []
+
+
+@pytest.fixture
+def stand_in_vllm(monkeypatch):
+    """``vllm`` with a recording ``LLM``, a CUDA platform and a LoRA request type."""
+    import types
+
+    from rlver_lib import vllm_backend
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = _Engine
+    vllm.SamplingParams = lambda **kw: kw
+    vllm.sampling_params = types.SimpleNamespace()
+    modules = {"vllm": vllm, "vllm.lora": types.ModuleType("vllm.lora"),
+               "vllm.lora.request": types.ModuleType("vllm.lora.request"),
+               "vllm.platforms": types.ModuleType("vllm.platforms")}
+    modules["vllm.lora.request"].LoRARequest = lambda *args: args
+    modules["vllm.platforms"].current_platform = types.SimpleNamespace(device_type="cuda")
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(vllm_backend, "resolve_device", lambda requested, platform, cuda: "cuda")
+    monkeypatch.setattr(vllm_backend, "_colocate_distributed_env", lambda: None)
+    _Engine.made = []
+    return _Engine
+
+
+def test_paper_recipe_engine_gets_the_batched_token_cap_and_sleeps_while_the_learner_trains(stand_in_vllm,
+                                                                                             tmp_path):
+    from rlver_lib.config import load_config
+    from rlver_lib.trainer import rest_rollout_backend
+    from rlver_lib.vllm_backend import VLLMBackend
+
+    root = os.path.join(os.path.dirname(__file__), "..", "params")
+    for recipe in ("paper-ppo-think-moderate.yaml", "paper-grpo-nothink-hard.yaml"):
+        policy = load_config(os.path.join(root, recipe)).policy
+        assert (policy.vllm_max_num_batched_tokens, policy.vllm_sleep_mode) == (4096, True), recipe
+        backend = VLLMBackend.from_config(policy, "/models/policy", adapter_root=tmp_path)
+        engine = stand_in_vllm.made[-1]
+        assert engine.kwargs["max_num_batched_tokens"] == 4096 and engine.kwargs["enable_sleep_mode"] is True
+        assert engine.kwargs["gpu_memory_utilization"] == 0.35
+        # the trainer's hook after a step's rollouts: level 1 (the base weights come back as they were)
+        rest_rollout_backend(backend)
+        rest_rollout_backend(backend)  # already asleep: no second call
+        assert engine.calls == [("sleep", 1)] and backend.asleep
+        # the next rollout wakes the engine before it generates
+        backend.generate([[{"role": "user", "content": "hi"}]], PolicyConfig().sampling(seed=0))
+        assert engine.calls == [("sleep", 1), ("wake_up",), ("generate", 1)] and not backend.asleep
+    # without sleep mode the hook does nothing
+    backend = VLLMBackend.from_config(PolicyConfig(backend="vllm"), "/models/policy", adapter_root=tmp_path)
+    rest_rollout_backend(backend)
+    assert stand_in_vllm.made[-1].calls == [] and "enable_sleep_mode" not in stand_in_vllm.made[-1].kwargs
 
 
 def test_policy_config_carries_the_vllm_device():
