@@ -26,8 +26,9 @@ dialogues a step of 3 tokens, LoRA r = 2, a linear LR schedule, a checkpoint eve
   different batch settings, as ``rlver ablate`` does (the DeepSpeed config is the
   launch's again for each run).
 
-Measured on a shared, loaded 2-core machine: about 45 s for the DDP launches with the
-kill, 40 s and 35 s for the float32 and bf16 ZeRO-2 launches.
+Durations on a 2-core machine shared with other jobs (test cost, not a performance
+figure): 92-146 s for the DDP launches with the kill, 59-98 s and 57-84 s for the
+float32 and bf16 ZeRO-2 launches. Measured differences: docs/GPU.md section 4.
 """
 
 from __future__ import annotations
