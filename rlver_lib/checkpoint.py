@@ -2,10 +2,12 @@
 (docs/ARCHITECTURE.md "Run folder").
 
 ``checkpoints/step_NNNNNN/`` holds what accelerate saves — the optimizer
-(``optimizer.bin``; under DeepSpeed every rank's ZeRO partition in ``pytorch_model/``),
-the LR scheduler (``custom_checkpoint_0.pkl``), every rank's RNG states
-(``random_states_<rank>.pkl``) and the trainable weights only (``model.safetensors``:
-LoRA and value head; the frozen base model is never copied) — plus ``adapter/``
+(``optimizer.bin``; under DeepSpeed every rank's ZeRO partition in ``pytorch_model/``,
+``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``), the LR scheduler
+(``custom_checkpoint_0.pkl``), every rank's RNG states (``random_states_<rank>.pkl``)
+and the trainable weights only (``model.safetensors``; under DeepSpeed
+``pytorch_model/mp_rank_00_model_states.pt``: LoRA and value head; the frozen base
+model is never copied) — plus ``adapter/``
 (``peft`` ``save_pretrained``, for reading or evaluating a checkpoint), ``config.yaml``
 and ``trainer_state.json`` (step, data position, algorithm, number of processes).
 Every rank writes into ``.step_NNNNNN.partial``, which rank 0 renames into place

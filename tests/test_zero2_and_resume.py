@@ -45,7 +45,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_multiprocess import DRIVER, LAUNCH_TIMEOUT_S, REPO, _config, _ranks, _rows, kill_launch
+from test_multiprocess import DRIVER, LAUNCH_TIMEOUT_S, REPO, TIMEOUT_S, _config, _ranks, _rows, kill_launch
 
 ZERO2 = REPO / "params" / "accelerate" / "zero2.yaml"
 LEARNING_RATE = 1e-3
@@ -171,6 +171,7 @@ def test_zero2_trains_like_ddp_and_resumes_bit_identically(tmp_path, request):
     for name, keys in (("grpo", COMPARED), ("ppo", COMPARED + PPO_COMPARED)):
         ranks = _ranks(tmp_path / name)
         assert all(r["distributed_type"].endswith("DEEPSPEED") and r["num_processes"] == 2 for r in ranks)
+        assert all(r["timeout_s"] == TIMEOUT_S for r in ranks)  # distributed.timeout_s reached DeepSpeed's group
         assert {r["optimizer"] for r in ranks} == {"DeepSpeedZeroOptimizer"}
         assert ranks[0]["lora_checksum"] == ranks[1]["lora_checksum"]
         rows, reference = _rows(tmp_path / name), _rows(ddp["root"] / name)
