@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from rlver_lib.io import atomic_write_json, atomic_write_text  # noqa: E402
+from rlver_lib.files import atomic_write_json, atomic_write_text  # noqa: E402
 
 PHASES = ("throughput", "train")
 PHASE_TIMEOUT_S = {"throughput": 240, "train": 300}  # on the GPU; keeps the whole check under 8 min

@@ -32,9 +32,9 @@ import numpy as np
 from scipy.stats import spearmanr
 from tqdm.auto import tqdm
 
-from rlver_lib.agreement import lane_order, load_replay, partial_spearman, sample_dialogues
 from rlver_lib.config import JudgeConfig
-from rlver_lib.io import atomic_write_json
+from rlver_lib.evaluation.agreement import lane_order, load_replay, partial_spearman, sample_dialogues
+from rlver_lib.files import atomic_write_json
 from rlver_lib.simulator import SimulatorRequest, build_simulator
 
 

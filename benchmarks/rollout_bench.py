@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from rlver_lib.backends import SamplingParams
 from rlver_lib.config import PolicyConfig, SimulatorConfig
-from rlver_lib.io import atomic_write_json
+from rlver_lib.files import atomic_write_json
 from rlver_lib.models import load_policy, make_policy_backend, make_simulator_backend
 from rlver_lib.rollout import run_rollouts
 from rlver_lib.scenarios import load_scenarios

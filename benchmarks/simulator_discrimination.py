@@ -24,7 +24,7 @@ import time
 from statistics import mean
 
 from rlver_lib.config import SimulatorConfig
-from rlver_lib.io import atomic_write_json
+from rlver_lib.files import atomic_write_json
 from rlver_lib.models import make_simulator_backend
 from rlver_lib.scenarios import Scenario
 from rlver_lib.simulator import (

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from rlver_lib.backends import LlamaServerBackend, OpenAIBackend
 from rlver_lib.config import SimulatorConfig
-from rlver_lib.io import atomic_write_json
+from rlver_lib.files import atomic_write_json
 from rlver_lib.models import cache_dir, convert_gguf_policy, simulator_gguf_path
 from rlver_lib.scenarios import load_scenarios
 from rlver_lib.simulator import SimulatorRequest, UserSimulator

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rlver_lib.rollout import record_transcript
+from rlver_lib.records import record_transcript
 from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION
 
 _WISH_EN = re.compile(r"\bi\s+(really\s+|just\s+|only\s+)?(want|need|wish|would like|hope)\b"

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlver_lib.io import atomic_write_json, commit_directory
+from rlver_lib.files import atomic_write_json, commit_directory
 
 STATE_FILE = "trainer_state.json"
 

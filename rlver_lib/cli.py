@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlver_lib.config import ConfigError, RunConfig, load_config
-from rlver_lib.workbench import PipelineError, load_grid, run_ablation, run_pipeline
+from rlver_lib.pipeline.ablate import load_grid, run_ablation
+from rlver_lib.pipeline.run import PipelineError, run_pipeline
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -58,7 +59,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     cfg = _load(args.params, args.set)
-    from rlver_lib.workbench import eval_command
+    # imported after configure_threads: these commands' modules may load torch
+    from rlver_lib.evaluation.stage import eval_command
 
     return eval_command(cfg)
 
@@ -73,7 +75,7 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
 
 def _cmd_judge_agreement(args: argparse.Namespace) -> int:
     configure_threads(None)
-    from rlver_lib.agreement import judge_agreement_command
+    from rlver_lib.evaluation.agreement import judge_agreement_command
 
     return judge_agreement_command(args.files, params=args.params, overrides=args.set, sample=args.sample,
                                    dialogues=args.dialogues, seed=args.seed, json_out=args.json,
@@ -83,7 +85,7 @@ def _cmd_judge_agreement(args: argparse.Namespace) -> int:
 
 def _cmd_sage_score(args: argparse.Namespace) -> int:
     configure_threads(None)
-    from rlver_lib.evaluation import sage_score_command
+    from rlver_lib.evaluation.sage import sage_score_command
 
     return sage_score_command(args.files, as_json=args.json)
 
@@ -111,7 +113,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of the ``rlver`` command (sub-commands as in docs/ARCHITECTURE.md "workbench, cli")."""
+    """The argparse parser of the ``rlver`` command (sub-commands as in docs/ARCHITECTURE.md "Code map")."""
     parser = argparse.ArgumentParser(prog="rlver", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 

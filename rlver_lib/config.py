@@ -313,7 +313,7 @@ class EvaluationConfig(_Strict):
 
 class StrategyJudgeConfig(SimulatorConfig):
     """The model that judges policy replies with the strategy taxonomy
-    (``rlver_lib.analysis.TAXONOMY``): the same backend kinds and fields as
+    (``rlver_lib.analysis.strategies.TAXONOMY``): the same backend kinds and fields as
     :class:`SimulatorConfig` (``difficulty`` and ``initial_emotion`` unused), greedy by
     default. ``rule`` is the deterministic lexical labeller
     (``analysis.RuleStrategyJudge``): plumbing and tests only, not a research judge."""
@@ -361,7 +361,7 @@ class LmEvalConfig(_Strict):
 
 
 class CapabilityConfig(_Strict):
-    """Capability retention (RLVER §5: maths and code skill kept), ``rlver_lib.capability``.
+    """Capability retention (RLVER §5: maths and code skill kept), ``rlver_lib.evaluation.capability``.
 
     Offline: HumanEval pass@1 on ``humaneval_n`` seeded problems (0 skips), each program
     run with ``timeout_s`` seconds and ``memory_mb`` MiB and no network; maths on the

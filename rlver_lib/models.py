@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from rlver_lib.config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, ConfigError, PolicyConfig, SimulatorConfig
-from rlver_lib.io import atomic_directory, cache_dir
+from rlver_lib.files import atomic_directory, cache_dir
+from rlver_lib.simulator import RuleSimulator, UserSimulator
 
 if TYPE_CHECKING:
     from rlver_lib.backends import ChatBackend
@@ -370,3 +371,13 @@ def prepare_embedded(
     for kind, path in prepared.items():
         report(f"{kind}: {path}")
     return prepared
+
+
+def build_simulator(sim_cfg: SimulatorConfig, seed: int) -> UserSimulator | RuleSimulator:
+    """The simulated user a config asks for: :class:`RuleSimulator` (default change
+    function, no model) when ``sim_cfg.backend == "rule"``, else a :class:`UserSimulator`
+    over :func:`make_simulator_backend` (which may start a server
+    process: close it with ``simulator.backend.close()``)."""
+    if sim_cfg.backend == "rule":
+        return RuleSimulator()
+    return UserSimulator(make_simulator_backend(sim_cfg, seed), sim_cfg, seed=seed)

@@ -33,7 +33,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from rlver_lib.io import atomic_directory, cache_dir
+from rlver_lib.files import atomic_directory, cache_dir
 
 LLAMA_CPP_SOURCE = "llama-cpp-python==0.3.36"
 BINARY = "llama-server"

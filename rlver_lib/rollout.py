@@ -200,15 +200,6 @@ class Trajectory:
         }
 
 
-def record_transcript(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The transcript entries of a dialogue record: ``transcript``, or ``turns`` in
-    records written before the rename (older run folders); ``[]`` when neither is set."""
-    transcript = record.get("transcript")
-    if transcript is None:
-        transcript = record.get("turns")
-    return list(transcript or [])
-
-
 @dataclass
 class _Dialogue:
     """Mutable state of one dialogue during a rollout, keyed by ``dialogue_id``."""

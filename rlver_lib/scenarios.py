@@ -31,7 +31,7 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from rlver_lib.backends import ChatBackend, SamplingParams, structured_batch
-from rlver_lib.io import JsonlError, iter_jsonl
+from rlver_lib.files import JsonlError, iter_jsonl
 
 log = logging.getLogger(__name__)
 

@@ -435,7 +435,7 @@ def prompt_files(sim_cfg: Any) -> list[str]:
     or the checklist of the ``expected`` mode (``sim_checklist_<lang>.json``), and every
     other ``sim_*`` file (system, vocabulary, reply, opening, and any added later), in
     both languages; no other mode's or difficulty's texts. A judge's identity
-    fingerprints them (:func:`rlver_lib.evaluation.judge_description`)."""
+    fingerprints them (:func:`rlver_lib.evaluation.judge.judge_description`)."""
     mode = getattr(sim_cfg, "appraisal", "first_person")
     variant = "_sage" if mode == "sage" else ""
     own = {"appraise": rf"sim_appraise{variant}_[a-z]+\.txt",
@@ -883,15 +883,3 @@ class RuleSimulator:
                 )
             )
         return turns
-
-
-def build_simulator(sim_cfg: SimulatorConfig, seed: int) -> UserSimulator | RuleSimulator:
-    """The simulated user a config asks for: :class:`RuleSimulator` (default change
-    function, no model) when ``sim_cfg.backend == "rule"``, else a :class:`UserSimulator`
-    over :func:`rlver_lib.models.make_simulator_backend` (which may start a server
-    process: close it with ``simulator.backend.close()``)."""
-    if sim_cfg.backend == "rule":
-        return RuleSimulator()
-    from rlver_lib.models import make_simulator_backend
-
-    return UserSimulator(make_simulator_backend(sim_cfg, seed), sim_cfg, seed=seed)

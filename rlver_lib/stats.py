@@ -9,7 +9,7 @@ permutation test: exact, over all 2**n sign patterns, only while
 Carlo above, see :func:`sign_flip_method`), :func:`sign_test` and
 :func:`paired_difference` (both tests and the interval of the mean difference).
 Training curves (per-step intervals clustered by scenario) are
-:func:`rlver_lib.analysis.curve_with_ci`, built on :func:`cluster_bootstrap_ci`.
+:func:`rlver_lib.analysis.runs.curve_with_ci`, built on :func:`cluster_bootstrap_ci`.
 
 Percentile intervals: the ``(1-confidence)/2`` and ``(1+confidence)/2`` percentiles of
 the resampled statistic (numpy's linear interpolation); the same inputs and ``seed``

@@ -43,7 +43,7 @@ from rlver_lib import algorithms
 from rlver_lib.backends import ChatBackend
 from rlver_lib.checkpoint import Checkpoints
 from rlver_lib.config import ConfigError, RunConfig, TrainingConfig, dump_config, training_problems
-from rlver_lib.io import atomic_directory, atomic_write_text, iter_jsonl, write_jsonl
+from rlver_lib.files import atomic_directory, atomic_write_text, iter_jsonl, write_jsonl
 
 TIMING_METRICS = ("step_time_s", "rollout_time_s", "update_time_s", "tokens_per_s",
                   "generated_tokens_per_s", "peak_memory_mb")
@@ -755,7 +755,7 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id
         self.policy_backend = policy_backend or make_policy_backend(cfg.policy, self.model.policy, self.tokenizer)
         if simulator is None:
-            from rlver_lib.simulator import build_simulator
+            from rlver_lib.models import build_simulator
 
             simulator = build_simulator(cfg.simulator, process_seed(cfg.seed, self.accelerator.process_index))
         self.simulator = simulator

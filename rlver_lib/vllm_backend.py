@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from rlver_lib.backends import BackendError, Conversation, Generation, SamplingParams, free_port
-from rlver_lib.io import atomic_directory
+from rlver_lib.files import atomic_directory
 
 if TYPE_CHECKING:
     from rlver_lib.config import PolicyConfig

@@ -35,7 +35,7 @@ compile at start-up on CPU and uses only for inference (training collectives go
 through gloo), so no native code is built.
 
 A pipeline run is ``{"pipeline": {...build_config data...}}``: every process calls
-``workbench.run_pipeline`` (the notebooks come from ``$RLVER_NOTEBOOKS``).
+``rlver_lib.pipeline.run.run_pipeline`` (the notebooks come from ``$RLVER_NOTEBOOKS``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import torch
 
 from rlver_lib.backends import TransformersBackend, conversation_seed, derive_seed
 from rlver_lib.config import ConfigError, build_config
-from rlver_lib.io import iter_jsonl
+from rlver_lib.files import iter_jsonl
 from rlver_lib.scenarios import Scenario
 from rlver_lib.simulator import RuleSimulator, SimulatorTurn
 
@@ -188,9 +188,9 @@ def train(run: dict) -> list[dict]:
 
 
 def pipeline(config: dict) -> None:
-    from rlver_lib import workbench
+    from rlver_lib.pipeline.run import run_pipeline
 
-    workbench.run_pipeline(build_config(config), progress=False)
+    run_pipeline(build_config(config), progress=False)
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Judge agreement with SAGE's stored judgements (rlver_lib.agreement, `rlver judge-agreement`)."""
+"""Judge agreement with SAGE's stored judgements (rlver_lib.evaluation.agreement, `rlver judge-agreement`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from reference_data import reference_file
 from scipy.stats import spearmanr
 
-from rlver_lib.agreement import (
+from rlver_lib.cli import main
+from rlver_lib.evaluation.agreement import (
     ReplayTurn,
     agreement_metrics,
     bucket,
@@ -26,7 +27,6 @@ from rlver_lib.agreement import (
     sample_dialogues,
     sample_turns,
 )
-from rlver_lib.cli import main
 from rlver_lib.simulator import SimulatorTurn, mood_for
 from rlver_lib.stats import cluster_bootstrap
 
@@ -499,18 +499,18 @@ def test_cli_rule_judge_on_stored_sage_dialogues(tmp_path, capsys):
 def test_exclude_profiles_leaves_out_the_profiles_of_an_earlier_result(tmp_path, monkeypatch):
     """Figures from profiles that chose nothing: a dialogue whose SAGE profile (record id)
     is in an earlier result's turns is never replayed."""
-    from rlver_lib import agreement
+    from rlver_lib.evaluation.agreement import judge_agreement_command, load_replay
 
     path = tmp_path / "gpt_result.jsonl"
     path.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in TWO), encoding="utf-8")
-    turns, _ = agreement.load_replay([path])
+    turns, _ = load_replay([path])
     first = turns[0].record_id
     earlier = tmp_path / "calibration.json"
     earlier.write_text(json.dumps({"turns": [{"dialogue": f"other_result.jsonl:{first}"}]}))
     seen = []
-    monkeypatch.setattr(agreement, "judge_agreement",
+    monkeypatch.setattr("rlver_lib.evaluation.agreement.judge_agreement",
                         lambda chosen, *a, **k: seen.extend(chosen) or (_ for _ in ()).throw(ValueError("stop")))
-    assert agreement.judge_agreement_command([str(path)], overrides=["evaluation.judge.backend=rule"],
+    assert judge_agreement_command([str(path)], overrides=["evaluation.judge.backend=rule"],
                                              exclude_profiles=str(earlier)) == 2
     assert seen and all(t.record_id != first for t in seen)
     assert {t.record_id for t in turns} - {t.record_id for t in seen} == {first}

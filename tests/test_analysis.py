@@ -11,10 +11,75 @@ import pytest
 import yaml
 from reference_data import rlver_test_profiles
 
-from rlver_lib import analysis as A
+from rlver_lib.analysis.cells import cells_table, load_cell_tables, paired_cell_differences, write_table
+from rlver_lib.analysis.hacking import (
+    CONTROL_REPLIES,
+    HACKING_FEATURES,
+    INJECTIONS,
+    at_fault_scenarios,
+    distinct_n,
+    distinct_table,
+    hacking_statistics,
+    length_controlled_gain,
+    reply_features,
+    requests_from_records,
+    run_injection_probes,
+    simulator_consistency,
+    summarize_injection,
+    sycophancy_rate,
+    sycophancy_replies,
+    turn_features,
+)
+from rlver_lib.analysis.runs import (
+    compare_runs,
+    curve_with_ci,
+    load_eval,
+    load_metrics,
+    load_training_dialogues,
+    rates_over_training,
+    run_replies,
+    sample_replies,
+)
+from rlver_lib.analysis.stage import StrategyReport, describe_reliability
+from rlver_lib.analysis.strategies import (
+    ABSOLVES,
+    CONSISTENCY_PASSES,
+    DIMENSION_KEYS,
+    DIMENSIONS,
+    INDEPENDENT_PASSES,
+    JUDGE_FIELDS,
+    STRATEGIES,
+    STRATEGY_KEYS,
+    UNPARSED,
+    RuleStrategyJudge,
+    cohen_kappa,
+    judge_conversation,
+    judge_strategies,
+    judge_validation,
+    judgement_schema,
+    labelled_set_agreement,
+    load_labelled_set,
+    parse_judgement,
+    plot_strategy_mix,
+    plot_strategy_use,
+    rule_judgement,
+    self_agreement,
+    strategy_mix,
+    strategy_use,
+    taxonomy_table,
+)
 from rlver_lib.backends import Generation
-from rlver_lib.evaluation import summarize
-from rlver_lib.io import atomic_write_json, write_jsonl
+from rlver_lib.evaluation.benchmark import summarize
+from rlver_lib.files import atomic_write_json, write_jsonl
+from rlver_lib.plots import (
+    plot_breakdown,
+    plot_curves,
+    plot_emotion_trajectories,
+    plot_length_vs_reward,
+    plot_run_comparison,
+    plot_success_failure,
+    save_figure,
+)
 
 
 def _record(did, replies, emotions, scenario_id="s0"):
@@ -56,15 +121,15 @@ def runs(tmp_path):
 
 
 def test_run_tables_and_compare_runs(runs):
-    dialogues = A.load_training_dialogues(runs[0])
+    dialogues = load_training_dialogues(runs[0])
     assert dialogues.groupby("step")["final_emotion"].apply(list).to_dict() == {1: [50, 45], 2: [60, 70]}
     assert dialogues["reply_length"].tolist() == [4.0] * 4
-    turns = A.load_training_dialogues(runs[0], turns=True)
+    turns = load_training_dialogues(runs[0], turns=True)
     assert turns[["turn", "user", "reply", "change"]].iloc[0].tolist() == [1, "I had a bad day.", "Why?", 10]
-    assert A.load_metrics(runs[1])["reward_mean"].tolist() == [0.475, 0.65]
-    ev = A.load_eval(runs[0])
+    assert load_metrics(runs[1])["reward_mean"].tolist() == [0.475, 0.65]
+    ev = load_eval(runs[0])
     assert set(ev["label"]) == {"baseline", "trained"} and len(ev) == 8
-    table = A.compare_runs(runs)
+    table = compare_runs(runs)
     assert table[["run", "algorithm", "think", "difficulty"]].values.tolist() == [
         ["ppo-think", "ppo", True, "moderate"], ["grpo-nothink", "grpo", False, "hard"]]
     assert table["sentient_score"].tolist() == [70.0, 50.0]
@@ -73,12 +138,12 @@ def test_run_tables_and_compare_runs(runs):
 
 
 def test_curve_with_ci_and_rates(runs):
-    dialogues = pd.concat([A.load_training_dialogues(r) for r in runs])
-    curves = A.curve_with_ci(dialogues, "reward", n_boot=50)
+    dialogues = pd.concat([load_training_dialogues(r) for r in runs])
+    curves = curve_with_ci(dialogues, "reward", n_boot=50)
     step1 = curves[(curves["run"] == "ppo-think") & (curves["step"] == 1)].iloc[0]
     assert step1["mean"] == pytest.approx(0.475) and step1["n"] == 2
     assert 0.45 <= step1["low"] <= step1["mean"] <= step1["high"] <= 0.5
-    rates = A.rates_over_training(dialogues.assign(success=[True, False, False, False] * 2))
+    rates = rates_over_training(dialogues.assign(success=[True, False, False, False] * 2))
     assert rates[(rates["outcome"] == "success") & (rates["step"] == 1)]["rate"].tolist() == [0.5, 0.5]
 
 
@@ -89,7 +154,7 @@ def _grpo_table():
 
 
 def test_curve_with_ci_resamples_scenarios_not_dialogues():
-    curves = A.curve_with_ci(_grpo_table(), "reward", n_boot=6, confidence=0.5, seed=4)
+    curves = curve_with_ci(_grpo_table(), "reward", n_boot=6, confidence=0.5, seed=4)
     assert list(curves.columns) == ["run", "step", "mean", "low", "high", "n", "n_clusters"]
     assert curves["mean"].tolist() == pytest.approx([0.5, 0.7])
     assert curves["n"].tolist() == [4, 2] and curves["n_clusters"].tolist() == [2, 1]
@@ -100,12 +165,12 @@ def test_curve_with_ci_resamples_scenarios_not_dialogues():
     # step 2: both dialogues share one scenario, so the band has nothing to resample
     assert (curves["low"].iloc[1], curves["high"].iloc[1]) == pytest.approx((0.7, 0.7))
     # any scenario resample's mean is 0.3, 0.5 or 0.7; resampling dialogues would reach 0.2 or 0.25 (5 in 256)
-    wide = A.curve_with_ci(_grpo_table(), "reward", n_boot=2000, confidence=0.99)
+    wide = curve_with_ci(_grpo_table(), "reward", n_boot=2000, confidence=0.99)
     assert 0.3 - 1e-12 <= wide["low"].iloc[0] and wide["high"].iloc[0] <= 0.7 + 1e-12
     with pytest.raises(KeyError, match="scenario_id"):
-        A.curve_with_ci(_grpo_table().drop(columns="scenario_id"), "reward")
+        curve_with_ci(_grpo_table().drop(columns="scenario_id"), "reward")
     with pytest.raises(ValueError, match="without a 'scenario_id'"):
-        A.curve_with_ci(_grpo_table().assign(scenario_id=None), "reward")
+        curve_with_ci(_grpo_table().assign(scenario_id=None), "reward")
 
 
 def test_one_curve_function_in_the_library_and_the_notebooks():
@@ -116,7 +181,7 @@ def test_one_curve_function_in_the_library_and_the_notebooks():
     for name in ("03_training", "05_ablations", "06_analysis"):
         cells = json.loads((root / f"{name}.ipynb").read_text(encoding="utf-8"))["cells"]
         code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-        assert "analysis.curve_with_ci(" in code and "curve_ci(" not in code.replace("curve_with_ci(", ""), name
+        assert "runs.curve_with_ci(" in code and "curve_ci(" not in code.replace("curve_with_ci(", ""), name
 
 
 # --------------------------------------------------------------------------- plots
@@ -127,8 +192,8 @@ def _labels(ax):
 
 
 def test_plot_curves_lines_and_bands(runs):
-    dialogues = pd.concat([A.load_training_dialogues(r) for r in runs])
-    fig = A.plot_curves(A.curve_with_ci(dialogues, "reward", n_boot=20), ylabel="mean reward")
+    dialogues = pd.concat([load_training_dialogues(r) for r in runs])
+    fig = plot_curves(curve_with_ci(dialogues, "reward", n_boot=20), ylabel="mean reward")
     ax = fig.axes[0]
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("training step", "mean reward")
     assert len(ax.lines) == 2 and len(ax.collections) == 2
@@ -139,34 +204,34 @@ def test_plot_emotion_trajectories_and_breakdown():
     records = [_record("a", ["x", "y"], [60, 100]), _record("b", ["x"], [5])]
     summary = summarize(records, n_boot=20)
     traj = pd.concat([summary.trajectory.assign(label="baseline"), summary.trajectory.assign(label="trained")])
-    fig = A.plot_emotion_trajectories(traj)
+    fig = plot_emotion_trajectories(traj)
     ax = fig.axes[0]
     assert ax.get_ylabel() == "mean emotion (0-100)" and ax.get_xlabel() == "policy turn"
     assert len(ax.lines) == 2 + 2  # two labels, two threshold lines
     assert _labels(ax) == ["baseline", "trained"]
-    fig = A.plot_breakdown(summary.breakdown)
+    fig = plot_breakdown(summary.breakdown)
     assert [a.get_ylabel() for a in fig.axes] == ["hidden_intention", "personality", "language"]
     assert all(len(a.patches) == 1 for a in fig.axes)  # one "unknown" level each
 
 
 def test_plot_success_failure_length_and_runs(runs, tmp_path):
-    dialogues = pd.concat([A.load_training_dialogues(r) for r in runs])
-    fig = A.plot_success_failure(A.rates_over_training(dialogues))
+    dialogues = pd.concat([load_training_dialogues(r) for r in runs])
+    fig = plot_success_failure(rates_over_training(dialogues))
     assert [a.get_ylabel() for a in fig.axes] == ["success rate", "failure rate"]
     assert all(len(a.lines) == 2 for a in fig.axes)
-    fig = A.plot_length_vs_reward(dialogues.assign(reply_length=np.arange(8.0)), hue="run")
+    fig = plot_length_vs_reward(dialogues.assign(reply_length=np.arange(8.0)), hue="run")
     ax = fig.axes[0]
     assert ax.get_xlabel() == "mean reply length (characters)" and len(ax.collections) == 2
-    fig = A.plot_run_comparison(A.compare_runs(runs))
+    fig = plot_run_comparison(compare_runs(runs))
     assert [a.get_title() for a in fig.axes] == ["by algorithm", "by think", "by difficulty"]
     assert [len(a.patches) for a in fig.axes] == [2, 2, 2]
     assert _labels(fig.axes[0]) == ["grpo", "ppo"]
-    A.save_figure(fig, tmp_path / "fig.png")
+    save_figure(fig, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_run_comparison_legend_has_one_colour_per_level(runs):
-    fig = A.plot_run_comparison(A.compare_runs(runs))
+    fig = plot_run_comparison(compare_runs(runs))
     for ax in fig.axes:
         handles = ax.get_legend().legend_handles
         colours = {tuple(np.round(h.get_facecolor(), 3)) for h in handles}
@@ -182,23 +247,23 @@ def test_run_comparison_legend_has_one_colour_per_level(runs):
 
 
 def test_taxonomy_covers_the_paper_dimensions_and_strategy_mix():
-    assert A.DIMENSION_KEYS == ("empathic_depth", "core_insight", "solution_crafting", "style_adaptability",
+    assert DIMENSION_KEYS == ("empathic_depth", "core_insight", "solution_crafting", "style_adaptability",
                                 "dialogue_guidance")
-    assert A.STRATEGY_KEYS == ("validation", "reflective_listening", "praise", "advice", "question",
+    assert STRATEGY_KEYS == ("validation", "reflective_listening", "praise", "advice", "question",
                                "reassurance", "self_disclosure")
-    table = A.taxonomy_table()
+    table = taxonomy_table()
     assert len(table) == 5 + 7 + 1 + 1
     assert table["definition"].str.len().min() > 20 and table["example"].str.len().min() > 10
-    schema = A.judgement_schema()
-    assert schema["required"] == list(A.JUDGE_FIELDS)
-    assert schema["properties"]["primary"]["enum"] == [*A.STRATEGY_KEYS, "other"]
-    system = A.judge_conversation("r", "u")[0]["content"]
-    for cat in (*A.DIMENSIONS, *A.STRATEGIES, A.ABSOLVES):
+    schema = judgement_schema()
+    assert schema["required"] == list(JUDGE_FIELDS)
+    assert schema["properties"]["primary"]["enum"] == [*STRATEGY_KEYS, "other"]
+    system = judge_conversation("r", "u")[0]["content"]
+    for cat in (*DIMENSIONS, *STRATEGIES, ABSOLVES):
         assert cat.definition in system and cat.example in system
 
 
 def _judgement(primary="question", **kw):
-    out = {"primary": primary, **{k: False for k in A.STRATEGY_KEYS}, **{k: 0 for k in A.DIMENSION_KEYS},
+    out = {"primary": primary, **{k: False for k in STRATEGY_KEYS}, **{k: 0 for k in DIMENSION_KEYS},
            "absolves_user": False}
     out.update(kw)
     return out
@@ -206,27 +271,27 @@ def _judgement(primary="question", **kw):
 
 def test_parse_judgement_validates_every_field():
     good = _judgement(question=True, empathic_depth=2)
-    assert A.parse_judgement(json.dumps(good)) == good
-    assert A.parse_judgement("{not json") is None
-    assert A.parse_judgement(json.dumps({**good, "primary": "hug"})) is None
-    assert A.parse_judgement(json.dumps({**good, "empathic_depth": 3})) is None
-    assert A.parse_judgement(json.dumps({**good, "praise": "yes"})) is None
-    assert A.parse_judgement(json.dumps({**good, "core_insight": True})) is None  # bool is not a rating
+    assert parse_judgement(json.dumps(good)) == good
+    assert parse_judgement("{not json") is None
+    assert parse_judgement(json.dumps({**good, "primary": "hug"})) is None
+    assert parse_judgement(json.dumps({**good, "empathic_depth": 3})) is None
+    assert parse_judgement(json.dumps({**good, "praise": "yes"})) is None
+    assert parse_judgement(json.dumps({**good, "core_insight": True})) is None  # bool is not a rating
     missing = dict(good)
     del missing["absolves_user"]
-    assert A.parse_judgement(json.dumps(missing)) is None
+    assert parse_judgement(json.dumps(missing)) is None
 
 
 def test_rule_judge_hand_cases():
-    j = A.rule_judgement("It sounds like you feel ignored. Anyone would be hurt. What did he say?")
+    j = rule_judgement("It sounds like you feel ignored. Anyone would be hurt. What did he say?")
     assert j["reflective_listening"] and j["validation"] and j["question"] and not j["advice"]
     assert j["primary"] == "reflective_listening"  # 3 cue matches (sounds like x2, you feel) beat 1 and 1
     assert j["empathic_depth"] == 2 and j["dialogue_guidance"] == 1 and j["absolves_user"] is False
-    j = A.rule_judgement("It's not your fault. You could try talking to HR first.")
+    j = rule_judgement("It's not your fault. You could try talking to HR first.")
     assert j["absolves_user"] and j["advice"] and j["solution_crafting"] == 1
-    assert A.rule_judgement("Cherry Bloodreminsights")["primary"] == "other"
-    out = A.RuleStrategyJudge().generate([A.judge_conversation("Well done!", "I passed")], None)
-    assert A.parse_judgement(out[0].text)["primary"] == "praise"
+    assert rule_judgement("Cherry Bloodreminsights")["primary"] == "other"
+    out = RuleStrategyJudge().generate([judge_conversation("Well done!", "I passed")], None)
+    assert parse_judgement(out[0].text)["primary"] == "praise"
 
 
 class ScriptedJudge:
@@ -240,7 +305,7 @@ class ScriptedJudge:
         self.calls = 0
 
     def generate(self, conversations, sampling, json_schema=None):
-        assert json_schema == A.judgement_schema()
+        assert json_schema == judgement_schema()
         self.calls += 1
         out = []
         for conv in conversations:
@@ -257,15 +322,15 @@ class ScriptedJudge:
 
 def test_judge_strategies_retries_then_marks_unparsed():
     judge = ScriptedJudge({"a": _judgement("praise", praise=True), "b": _judgement()}, garbled=["a"])
-    table = A.judge_strategies(judge, ["a", "b"])
+    table = judge_strategies(judge, ["a", "b"])
     assert table["primary"].tolist() == ["praise", "question"] and table["parsed"].all()
     assert judge.calls == 2
     judge = ScriptedJudge({"a": _judgement()}, garbled=["a"], garble_times=10)
-    table = A.judge_strategies(judge, ["a"], max_retries=2)
-    assert table["primary"].tolist() == [A.UNPARSED] and not table["parsed"].any()
+    table = judge_strategies(judge, ["a"], max_retries=2)
+    assert table["primary"].tolist() == [UNPARSED] and not table["parsed"].any()
     assert judge.calls == 3
     with pytest.raises(ValueError):
-        A.judge_strategies(judge, ["a"], user_messages=["x", "y"])
+        judge_strategies(judge, ["a"], user_messages=["x", "y"])
 
 
 def test_cohen_kappa_hand_computed():
@@ -273,8 +338,8 @@ def test_cohen_kappa_hand_computed():
     a = ["y"] * 25 + ["n"] * 25
     b = ["y"] * 20 + ["n"] * 5 + ["y"] * 10 + ["n"] * 15
     p_o, p_e = 35 / 50, 0.5 * 0.6 + 0.5 * 0.4
-    assert A.cohen_kappa(a, b) == pytest.approx((p_o - p_e) / (1 - p_e))  # 0.4
-    assert A.cohen_kappa(a, b) == pytest.approx(0.4)
+    assert cohen_kappa(a, b) == pytest.approx((p_o - p_e) / (1 - p_e))  # 0.4
+    assert cohen_kappa(a, b) == pytest.approx(0.4)
     # three labels: diagonal 4+3+1 of 10; marginals a (5,3,2), b (4,4,2)
     a3 = list("xxxxxyyyzz")
     b3 = list("xxxxyyyxzy")  # x:x x4, x:y 1, y:y 2... checked below by counting
@@ -283,33 +348,33 @@ def test_cohen_kappa_hand_computed():
     pb = {k: b3.count(k) / 10 for k in "xyz"}
     p_e3 = sum(pa[k] * pb[k] for k in "xyz")
     assert (p_o3, p_e3) == pytest.approx((0.7, 0.5 * 0.5 + 0.3 * 0.4 + 0.2 * 0.1))
-    assert A.cohen_kappa(a3, b3) == pytest.approx((0.7 - 0.39) / (1 - 0.39))
-    assert A.cohen_kappa(["x", "y"], ["x", "y"]) == pytest.approx(1.0)
-    assert np.isnan(A.cohen_kappa(["x", "x"], ["x", "x"]))
+    assert cohen_kappa(a3, b3) == pytest.approx((0.7 - 0.39) / (1 - 0.39))
+    assert cohen_kappa(["x", "y"], ["x", "y"]) == pytest.approx(1.0)
+    assert np.isnan(cohen_kappa(["x", "x"], ["x", "x"]))
     with pytest.raises(ValueError):
-        A.cohen_kappa(["x"], [])
+        cohen_kappa(["x"], [])
 
 
 def test_self_agreement_across_seeds():
     # "a" is stable; "b" flips between question and advice with the seed's parity
     answers = {"a": _judgement("praise", praise=True),
                "b": lambda seed: _judgement("question" if seed % 2 == 0 else "advice")}
-    table = A.self_agreement(ScriptedJudge(answers), ["a", "b"], [None, None], seeds=[0, 1, 2],
+    table = self_agreement(ScriptedJudge(answers), ["a", "b"], [None, None], seeds=[0, 1, 2],
                              temperature=0.7).set_index("field")
     # pairs (0,1), (0,2), (1,2): primary agreement 1/2, 1, 1/2 -> mean 2/3
     assert table.loc["primary", "agreement"] == pytest.approx(2 / 3)
     assert table.loc["praise", "agreement"] == 1.0 and table.loc["primary", "pairs"] == 3
     with pytest.raises(ValueError):
-        A.self_agreement(ScriptedJudge(answers), ["a"], [None], seeds=[0], temperature=0.7)
+        self_agreement(ScriptedJudge(answers), ["a"], [None], seeds=[0], temperature=0.7)
 
 
 def test_labelled_set_is_real_and_independent_agreement_is_recomputed():
-    labelled = A.load_labelled_set()
+    labelled = load_labelled_set()
     assert len(labelled) >= 60 and labelled["id"].is_unique
     assert labelled["scenario_id"].str.startswith("en-").all()
-    assert A.INDEPENDENT_PASSES == ("p1", "b1") and A.CONSISTENCY_PASSES == ("p1", "p2")
+    assert INDEPENDENT_PASSES == ("p1", "b1") and CONSISTENCY_PASSES == ("p1", "p2")
     # the default table is annotator A (p1) against the independent annotator B (b1)
-    table = A.labelled_set_agreement(labelled).set_index("field")
+    table = labelled_set_agreement(labelled).set_index("field")
     p1, b1 = labelled["p1_primary"].tolist(), labelled["b1_primary"].tolist()
     assert table.loc["primary", "agreement"] == pytest.approx(np.mean([a == b for a, b in zip(p1, b1)]))
     # kappa by hand from the two marginals: (p_o - p_e) / (1 - p_e)
@@ -319,8 +384,8 @@ def test_labelled_set_is_real_and_independent_agreement_is_recomputed():
     assert table.loc["primary", "kappa"] == pytest.approx((p_o - p_e) / (1 - p_e))
     assert 0.5 < table.loc["primary", "kappa"] < 1.0
     # annotator A against its own second pass, reported as a consistency check
-    own = A.labelled_set_agreement(labelled, passes=A.CONSISTENCY_PASSES).set_index("field")
-    assert own.loc["primary", "kappa"] == pytest.approx(A.cohen_kappa(p1, labelled["p2_primary"].tolist()))
+    own = labelled_set_agreement(labelled, passes=CONSISTENCY_PASSES).set_index("field")
+    assert own.loc["primary", "kappa"] == pytest.approx(cohen_kappa(p1, labelled["p2_primary"].tolist()))
     assert own.loc["primary", "kappa"] != pytest.approx(table.loc["primary", "kappa"])
 
 
@@ -331,38 +396,38 @@ def test_labelled_set_needs_every_pass(tmp_path):
     path = tmp_path / "labels.jsonl"
     path.write_text(json.dumps(rec) + "\n")
     with pytest.raises(ValueError, match="b1"):
-        A.load_labelled_set(path)
+        load_labelled_set(path)
     rec["b1"] = {"primary": "question", "strategies": ["question", "hugging"]}
     path.write_text(json.dumps(rec) + "\n")
     with pytest.raises(ValueError, match="hugging"):
-        A.load_labelled_set(path)
+        load_labelled_set(path)
     rec["b1"]["strategies"] = ["question"]
     path.write_text(json.dumps(rec) + "\n")
-    row = A.load_labelled_set(path).iloc[0]
+    row = load_labelled_set(path).iloc[0]
     assert row["b1_primary"] == "question" and row["b1_question"] and not row["b1_absolves_user"]
 
 
 def test_judge_validation_with_a_scripted_judge(tmp_path):
-    labelled = A.load_labelled_set().head(12)
+    labelled = load_labelled_set().head(12)
     answers = {r: _judgement(p, **{p: True} if p != "other" else {})
                for r, p in zip(labelled["reply"], labelled["p1_primary"])}
     wrong = labelled["reply"].iloc[0]
     answers[wrong] = _judgement("self_disclosure" if labelled["p1_primary"].iloc[0] != "self_disclosure"
                                 else "praise")
-    result = A.judge_validation(ScriptedJudge(answers), labelled)
+    result = judge_validation(ScriptedJudge(answers), labelled)
     t = result["table"].set_index(["reference", "field"])
     assert result["n"] == 12 and result["n_unparsed"] == 0
     assert set(result["table"]["reference"]) == {"p1", "b1"}
     assert t.loc[("p1", "primary"), "agreement"] == pytest.approx(11 / 12)
     predicted = [answers[r]["primary"] for r in labelled["reply"]]
-    assert t.loc[("p1", "primary"), "kappa"] == pytest.approx(A.cohen_kappa(list(labelled["p1_primary"]), predicted))
-    assert t.loc[("b1", "primary"), "kappa"] == pytest.approx(A.cohen_kappa(list(labelled["b1_primary"]), predicted))
+    assert t.loc[("p1", "primary"), "kappa"] == pytest.approx(cohen_kappa(list(labelled["p1_primary"]), predicted))
+    assert t.loc[("b1", "primary"), "kappa"] == pytest.approx(cohen_kappa(list(labelled["b1_primary"]), predicted))
     assert {"p1_primary", "b1_primary"} <= set(result["judgements"].columns)
-    report = A.StrategyReport("scripted", pd.DataFrame(), None, result, A.labelled_set_agreement(),
-                              A.labelled_set_agreement(passes=A.CONSISTENCY_PASSES))
-    text = A.describe_reliability(report)
-    independent = A.labelled_set_agreement().set_index("field").loc["primary", "kappa"]
-    consistency = A.labelled_set_agreement(passes=A.CONSISTENCY_PASSES).set_index("field").loc["primary", "kappa"]
+    report = StrategyReport("scripted", pd.DataFrame(), None, result, labelled_set_agreement(),
+                              labelled_set_agreement(passes=CONSISTENCY_PASSES))
+    text = describe_reliability(report)
+    independent = labelled_set_agreement().set_index("field").loc["primary", "kappa"]
+    consistency = labelled_set_agreement(passes=CONSISTENCY_PASSES).set_index("field").loc["primary", "kappa"]
     assert "two independent passes" in text and f"κ {independent:.2f} on the primary label" in text
     assert f"consistency check: κ {consistency:.2f}" in text and "against annotator B" in text
 
@@ -371,50 +436,50 @@ def test_strategy_mix_use_and_plots():
     labelled = pd.DataFrame([_judgement("question", question=True, empathic_depth=1),
                              _judgement("question", question=True), _judgement("advice", advice=True),
                              _judgement("praise", praise=True, question=True),
-                             _judgement("advice", advice=True, empathic_depth=2), _judgement(A.UNPARSED)])
+                             _judgement("advice", advice=True, empathic_depth=2), _judgement(UNPARSED)])
     labelled["step"] = [1, 1, 1, 1, 2, 2]
     labelled["source"] = ["baseline"] * 4 + ["trained"] * 2
-    mix = A.strategy_mix(labelled)
+    mix = strategy_mix(labelled)
     shares = mix.set_index(["step", "strategy"])["share"]
     assert shares[(1, "question")] == 0.5 and shares[(2, "advice")] == 1.0 and shares[(2, "praise")] == 0.0
     assert mix.groupby("step")["share"].sum().tolist() == pytest.approx([1.0, 1.0])  # unparsed left out
-    fig = A.plot_strategy_mix(mix)
+    fig = plot_strategy_mix(mix)
     ax = fig.axes[0]
     assert len(ax.collections) == 3 and ax.get_ylabel() == "share of replies"
     assert _labels(ax) == ["praise", "advice", "question"]  # taxonomy order
-    fig = A.plot_strategy_mix(A.strategy_mix(labelled, by="source"), by="source", order=["baseline", "trained"])
+    fig = plot_strategy_mix(strategy_mix(labelled, by="source"), by="source", order=["baseline", "trained"])
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["baseline", "trained"]
-    use = A.strategy_use(labelled, by="source").set_index(["source", "measure"])["value"]
+    use = strategy_use(labelled, by="source").set_index(["source", "measure"])["value"]
     assert use[("baseline", "question")] == 0.75 and use[("baseline", "empathic_depth")] == 0.25
     assert use[("trained", "advice")] == 1.0 and use[("trained", "empathic_depth")] == 2.0
-    fig = A.plot_strategy_use(A.strategy_use(labelled, by="source"), by="source")
+    fig = plot_strategy_use(strategy_use(labelled, by="source"), by="source")
     assert [a.get_title() for a in fig.axes] == ["strategy", "dimension"]
-    assert len(fig.axes[0].patches) == 2 * len(A.STRATEGY_KEYS)
+    assert len(fig.axes[0].patches) == 2 * len(STRATEGY_KEYS)
 
 
 # --------------------------------------------------------------------------- reward hacking
 
 
 def test_reply_features_hand_computed():
-    f = A.reply_features("Sorry, are you ok? Your day sounds hard?", user="Your day sounds bad.")
+    f = reply_features("Sorry, are you ok? Your day sounds hard?", user="Your day sounds bad.")
     # words: sorry are you ok your day sounds hard (8); bigrams 7, of which "your day", "day sounds" in the user's
     assert f == pytest.approx({"reply_length": 40, "question_marks": 2, "second_person_rate": 2 / 8,
                                "apologies": 1, "praise_phrases": 0, "user_overlap": 2 / 7,
                                "non_natural_rate": 0, "score_mentions": 0, "emotion_mentions": 0})
-    g = A.reply_features("Well done! Rate me 10/10 +10 <b>", user=None)
+    g = reply_features("Well done! Rate me 10/10 +10 <b>", user=None)
     # non-space characters 26; '<', '>', '/', '+' are not natural-language characters
     assert g["praise_phrases"] == 1 and g["score_mentions"] == 3  # "Rate", "10/10", "+10"
     assert g["non_natural_rate"] == pytest.approx(4 / 26) and g["user_overlap"] == 0
-    h = A.reply_features("对不起，你的感受很重要。您别担心？")
+    h = reply_features("对不起，你的感受很重要。您别担心？")
     assert h["apologies"] == 1 and h["question_marks"] == 1 and h["emotion_mentions"] == 1
     assert h["second_person_rate"] == pytest.approx(2 / 14)  # 14 CJK characters, 你 and 您 among them
 
 
 def test_distinct_n_hand_computed():
-    assert A.distinct_n(["a b a b", "a b"], 2) == pytest.approx(2 / 4)
-    assert A.distinct_n(["a b a b", "a b"], 1) == pytest.approx(2 / 6)
-    assert np.isnan(A.distinct_n(["a"], 2))
-    table = A.distinct_table(pd.DataFrame({"source": ["x", "x", "y"], "reply": ["a b", "a b", "c d e"]}))
+    assert distinct_n(["a b a b", "a b"], 2) == pytest.approx(2 / 4)
+    assert distinct_n(["a b a b", "a b"], 1) == pytest.approx(2 / 6)
+    assert np.isnan(distinct_n(["a"], 2))
+    table = distinct_table(pd.DataFrame({"source": ["x", "x", "y"], "reply": ["a b", "a b", "c d e"]}))
     assert table.set_index("source")["distinct_2"].to_dict() == {"x": 0.5, "y": 1.0}
 
 
@@ -425,13 +490,13 @@ def _hacking_table():
     table = pd.DataFrame(rows, columns=["dialogue_id", "step", "length", "change"])
     table["reply"] = ["a" * n for n in table["length"]]
     table["user"] = "hm"
-    return A.turn_features(table)
+    return turn_features(table)
 
 
 def test_hacking_statistics_hand_computed():
     table = _hacking_table()
     assert table["reply_length"].tolist() == [10, 20, 30, 40, 50, 60, 70]
-    stats = A.hacking_statistics(table, features=["reply_length"], n_boot=400).set_index("feature")
+    stats = hacking_statistics(table, features=["reply_length"], n_boot=400).set_index("feature")
     # within-step deviations: x -10, 0, 10 | -10, 0, 10; y -1, 1, 0 | 0, -2, 2
     # r = 30 / sqrt(400 * 10)
     assert stats.loc["reply_length", "r"] == pytest.approx(30 / np.sqrt(4000))
@@ -439,38 +504,38 @@ def test_hacking_statistics_hand_computed():
     low, high = stats.loc["reply_length", ["low", "high"]]
     assert -1 <= low <= high <= 1 and low < high
     # without the step partialled out: plain Pearson r = 255 / sqrt(1750 * 47.5)
-    plain = A.hacking_statistics(table, features=["reply_length"], control=None, n_boot=50)
+    plain = hacking_statistics(table, features=["reply_length"], control=None, n_boot=50)
     assert plain["r"].iloc[0] == pytest.approx(255 / np.sqrt(1750 * 47.5))
     # one cluster: every resample is the whole table, so the interval collapses onto r
-    one = A.hacking_statistics(table.assign(dialogue_id="all"), features=["reply_length"], n_boot=50)
+    one = hacking_statistics(table.assign(dialogue_id="all"), features=["reply_length"], n_boot=50)
     assert one["low"].iloc[0] == pytest.approx(one["r"].iloc[0]) == pytest.approx(one["high"].iloc[0])
     # a feature constant within every step has no correlation
-    const = A.hacking_statistics(table, features=["apologies"], n_boot=20)
+    const = hacking_statistics(table, features=["apologies"], n_boot=20)
     assert np.isnan(const["r"].iloc[0])
-    every = A.hacking_statistics(table, n_boot=20)
-    assert every["feature"].tolist() == list(A.HACKING_FEATURES)
+    every = hacking_statistics(table, n_boot=20)
+    assert every["feature"].tolist() == list(HACKING_FEATURES)
     with pytest.raises(KeyError):
-        A.hacking_statistics(table.drop(columns=["change"]), n_boot=10)
+        hacking_statistics(table.drop(columns=["change"]), n_boot=10)
 
 
 def test_length_controlled_gain_hand_computed():
     base = pd.DataFrame({"source": "baseline", "reply_length": [10, 20, 30, 40], "change": [0, 0, 4, 4]})
     trained = pd.DataFrame({"source": "trained", "reply_length": [30, 40, 50, 60], "change": [4, 4, 8, 8]})
-    table, summary = A.length_controlled_gain(pd.concat([base, trained]), n_bins=2)
+    table, summary = length_controlled_gain(pd.concat([base, trained]), n_bins=2)
     # pooled median 35: bin [10, 35] baseline 0,0,4 vs trained 4; bin (35, 60] baseline 4 vs trained 4,8,8
     assert table["n_reference"].tolist() == [3, 1] and table["n_treatment"].tolist() == [1, 3]
     assert table["gain"].tolist() == pytest.approx([4 - 4 / 3, 20 / 3 - 4])
     assert summary["raw_gain"] == pytest.approx(4.0)
     assert summary["within_bin_gain"] == pytest.approx(8 / 3)  # longer replies explain a third of the gain
     with pytest.raises(ValueError):
-        A.length_controlled_gain(base, n_bins=2)
+        length_controlled_gain(base, n_bins=2)
 
 
 def test_run_replies_reads_evaluations_and_training(runs):
-    replies = A.run_replies(runs[0])
+    replies = run_replies(runs[0])
     assert set(replies["source"]) == {"step 1", "step 2"}  # the fixture runs have no eval dialogues
     assert replies["change"].tolist() == [10, 5, 20, 30]
-    sample = A.sample_replies(replies, 1, seed=0)
+    sample = sample_replies(replies, 1, seed=0)
     assert sample["source"].tolist() == ["step 1", "step 2"]
 
 
@@ -483,16 +548,16 @@ def test_injection_probes_with_rule_simulator():
     from rlver_lib.simulator import RuleSimulator
 
     scenarios = load_scenarios("builtin:test")[:2] + _scenarios(1)
-    probes = A.run_injection_probes(RuleSimulator(), scenarios)
-    assert len(probes) == 3 * (1 + len(A.INJECTIONS["en"]))
+    probes = run_injection_probes(RuleSimulator(), scenarios)
+    assert len(probes) == 3 * (1 + len(INJECTIONS["en"]))
     assert set(probes["language"]) == {"en", "zh"}
     # each probe is the control with an injection appended
     for _, row in probes[probes["kind"] != "control"].iterrows():
-        assert row["reply"].startswith(A.CONTROL_REPLIES[row["language"]])
+        assert row["reply"].startswith(CONTROL_REPLIES[row["language"]])
     # rule simulator: +10 for a reply ending in a question mark (the control), -5 otherwise
     assert set(probes[probes["kind"] == "control"]["change"]) == {10}
     assert set(probes[probes["kind"] != "control"]["change"]) == {-5}
-    summary = A.summarize_injection(probes, n_boot=50)
+    summary = summarize_injection(probes, n_boot=50)
     assert summary.loc["probe - control", "diff"] == pytest.approx(-15.0)
     assert summary.loc["fake_system", ["n", "control", "probe"]].tolist() == [3, 10, -5]
 
@@ -501,7 +566,7 @@ def test_summarize_injection_pairs_by_scenario():
     probes = pd.DataFrame({"scenario_id": ["s1", "s1", "s2", "s2", "s3", "s3"],
                            "kind": ["control", "fake_system"] * 3,
                            "change": [2, 5, -1, 3, 4, np.nan]})
-    row = A.summarize_injection(probes, n_boot=50).loc["fake_system"]
+    row = summarize_injection(probes, n_boot=50).loc["fake_system"]
     # s3 has no usable probe appraisal: pairs (2, 5) and (-1, 3) -> differences 3 and 4
     assert row["n"] == 2 and row["diff"] == pytest.approx(3.5) and row["control"] == pytest.approx(0.5)
 
@@ -512,7 +577,7 @@ def test_simulator_consistency():
     scenarios = _scenarios(2)
     records = [_record("d0", ["Why?", "ok.", "And then?"], [50, 45, 55], scenarios[0].id),
                _record("d1", ["Sure."], [35], scenarios[1].id)]
-    samples = A.requests_from_records(records, scenarios, n=10, seed=0)
+    samples = requests_from_records(records, scenarios, n=10, seed=0)
     assert len(samples) == 4
     req, change = next((r, c) for r, c in samples if r.dialogue_id == "d0:3")
     assert (req.emotion, req.turn, change) == (45, 2, 10)
@@ -521,14 +586,14 @@ def test_simulator_consistency():
     def make_simulator(seed):  # seed 0 reproduces the run; seed 1 flips every change
         return RuleSimulator() if seed == 0 else RuleSimulator(lambda reply: -default_change_fn(reply))
 
-    table = A.simulator_consistency(make_simulator, samples, seed=0, other_seed=1).set_index("condition")
+    table = simulator_consistency(make_simulator, samples, seed=0, other_seed=1).set_index("condition")
     assert table.loc["same_seed", "sign_agreement"] == 1.0
     assert table.loc["same_seed", "mean_abs_diff"] == 0.0
     assert table.loc["other_seed", "sign_agreement"] == 0.0
     # recorded 10, -5, 10, -5 vs flipped -10, 5, -10, 5
     assert table.loc["other_seed", "mean_abs_diff"] == pytest.approx(15.0)
     with pytest.raises(KeyError):
-        A.requests_from_records(records, scenarios[:1], n=10, seed=0)
+        requests_from_records(records, scenarios[:1], n=10, seed=0)
 
 
 def test_sycophancy_on_at_fault_scenarios():
@@ -536,7 +601,7 @@ def test_sycophancy_on_at_fault_scenarios():
     from rlver_lib.scenarios import load_scenarios
 
     shipped = load_scenarios("builtin:all")
-    at_fault = A.at_fault_scenarios(shipped)
+    at_fault = at_fault_scenarios(shipped)
     assert [s.id for s in at_fault] == [f"en-0{i}" for i in range(49, 55)]
     test_ids = {s.id for s in load_scenarios("builtin:test")}
     assert {s.id for s in at_fault} & test_ids == {"en-049", "en-051", "en-053"}
@@ -548,13 +613,13 @@ def test_sycophancy_on_at_fault_scenarios():
             return [Generation(text="It's not your fault at all." if even else "What happened next?")
                     for _ in conversations]
 
-    replies = A.sycophancy_replies(Policy(), at_fault[:2], n_samples=2, sampling=SamplingParams(seed=0),
+    replies = sycophancy_replies(Policy(), at_fault[:2], n_samples=2, sampling=SamplingParams(seed=0),
                                    think=False, seed=0)
     assert len(replies) == 4 and replies["user"].iloc[0] == at_fault[0].opening_line
-    judged = pd.concat([replies, A.judge_strategies(A.RuleStrategyJudge(), list(replies["reply"]))], axis=1)
+    judged = pd.concat([replies, judge_strategies(RuleStrategyJudge(), list(replies["reply"]))], axis=1)
     judged["policy"] = "base"
     absolved = judged["reply"].str.contains("not your fault").mean()
-    rate = A.sycophancy_rate(judged, n_boot=50).iloc[0]
+    rate = sycophancy_rate(judged, n_boot=50).iloc[0]
     assert rate["rate"] == pytest.approx(absolved) and rate["n_replies"] == 4 and rate["n_scenarios"] == 2
 
 
@@ -572,39 +637,39 @@ def _eval_dialogues(run, finals, judge="rule"):
 def test_cells_table_and_paired_cell_differences(runs):
     _eval_dialogues(runs[0], {"s1": 50, "s2": 60, "s3": 70})
     _eval_dialogues(runs[1], {"s1": 55, "s2": 58, "s4": 90})
-    cells = A.cells_table(runs)
+    cells = cells_table(runs)
     assert list(cells.columns) == ["run", "algorithm", "think", "difficulty"]  # what varies per cell
-    table = A.paired_cell_differences(runs, n_boot=50)
+    table = paired_cell_differences(runs, n_boot=50)
     row = table.iloc[0]
     # common scenarios s1, s2: differences +5 and -2
     assert (row["run"], row["reference"], row["n"]) == ("grpo-nothink", "ppo-think", 2)
     assert row["diff"] == pytest.approx(1.5) and row["reference_score"] == pytest.approx(55.0)
     assert bool(row["same_judge"])
     _eval_dialogues(runs[1], {"s1": 55}, judge="openai")
-    assert not bool(A.paired_cell_differences(runs, n_boot=20).iloc[0]["same_judge"])
+    assert not bool(paired_cell_differences(runs, n_boot=20).iloc[0]["same_judge"])
     with pytest.raises(ValueError):
-        A.paired_cell_differences(runs, reference="nope")
+        paired_cell_differences(runs, reference="nope")
 
 
 def test_cell_tables_round_trip(runs):
-    A.write_table(runs[0], "strategy_labels", pd.DataFrame({"source": ["trained"], "primary": ["advice"]}))
-    A.write_table(runs[1], "strategy_labels", pd.DataFrame({"source": ["trained"], "primary": ["question"]}))
-    table = A.load_cell_tables(runs, "strategy_labels")
+    write_table(runs[0], "strategy_labels", pd.DataFrame({"source": ["trained"], "primary": ["advice"]}))
+    write_table(runs[1], "strategy_labels", pd.DataFrame({"source": ["trained"], "primary": ["question"]}))
+    table = load_cell_tables(runs, "strategy_labels")
     assert table[["run", "think", "primary"]].values.tolist() == [["ppo-think", True, "advice"],
                                                                  ["grpo-nothink", False, "question"]]
-    assert A.load_cell_tables(runs, "absent").empty
+    assert load_cell_tables(runs, "absent").empty
 
 
 def test_ablation_header_lists_what_varies_per_cell(tmp_path):
-    from rlver_lib import workbench
+    from rlver_lib.pipeline.ablate import ablation_header, load_grid
 
     grid = tmp_path / "grid.yaml"
     grid.write_text(yaml.safe_dump({"name": "g", "output_root": str(tmp_path / "out"),
                                     "base": {"simulator": {"backend": "rule"}, "training": {"steps": 3}},
                                     "axes": {"training.algorithm": ["grpo", "ppo"], "policy.think": [False, True]}},
                                    sort_keys=False))
-    _, cells = workbench.load_grid(grid)
-    header = workbench.ablation_header("g", ["training.algorithm", "policy.think"], cells)
+    _, cells = load_grid(grid)
+    header = ablation_header("g", ["training.algorithm", "policy.think"], cells)
     rows = [line for line in header.splitlines() if line.startswith("| `")]
     assert rows == ["| `algorithm-grpo_think-false` | grpo | False | GRPO, 3 step(s) | off | moderate |",
                     "| `algorithm-grpo_think-true` | grpo | True | GRPO, 3 step(s) | on | moderate |",
@@ -622,7 +687,7 @@ def _bench_records(replies_by_scenario):
 
 
 def test_reply_changes_by_hand():
-    from rlver_lib.analysis import reply_changes
+    from rlver_lib.analysis.hacking import reply_changes
 
     base = _bench_records({"a": ["I see.", "I see you."], "b": ["Okay then."]})
     trained = _bench_records({"a": ["How do you feel?", "I see. How do you feel?"], "b": ["How do you feel?"]})
@@ -641,7 +706,7 @@ def test_reply_changes_by_hand():
 
 
 def test_plot_paired_scenarios_sorted_and_titled():
-    from rlver_lib.analysis import plot_paired_scenarios
+    from rlver_lib.plots import plot_paired_scenarios
 
     paired = {"baseline": "baseline", "trained": "trained", "mean_diff": 1.5, "ci_low": -2.0, "ci_high": 5.0,
               "p_value": 0.5, "n_scenarios": 2,

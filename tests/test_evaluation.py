@@ -17,17 +17,12 @@ from reference_data import reference_file, rlver_test_profiles
 
 from rlver_lib.backends import Generation, SamplingParams
 from rlver_lib.config import EvaluationConfig
-from rlver_lib.evaluation import (
-    BREAKDOWN_FACTORS,
-    RecordError,
-    bootstrap_ci,
-    error_statement,
-    run_benchmark,
-    sage_score,
-    sage_score_command,
-    summarize,
-)
-from rlver_lib.io import iter_jsonl
+from rlver_lib.evaluation.benchmark import BREAKDOWN_FACTORS, run_benchmark, summarize
+from rlver_lib.evaluation.sage import sage_score, sage_score_command
+from rlver_lib.evaluation.stage import error_statement
+from rlver_lib.files import iter_jsonl
+from rlver_lib.records import RecordError
+from rlver_lib.stats import bootstrap_ci
 
 # --------------------------------------------------------------------------- bootstrap
 
@@ -319,7 +314,7 @@ def _scored(sid, repeat, final, termination="max_turns"):
 
 
 def test_paired_comparison_by_scenario_and_repeat():
-    from rlver_lib.evaluation import describe_paired, paired_comparison
+    from rlver_lib.evaluation.paired import describe_paired, paired_comparison
 
     baseline = [_scored("a", 0, 40), _scored("a", 1, 50), _scored("b", 0, 30), _scored("b", 1, 20),
                 _scored("c", 0, 60), _scored("c", 1, 10, "error"), _scored("d", 0, 45), _scored("e", 0, 50)]
@@ -365,8 +360,10 @@ def test_paired_comparison_by_scenario_and_repeat():
 
 
 def test_headline_scores_subtract_to_the_paired_difference(tmp_path):
-    from rlver_lib.evaluation import headline_markdown, write_paired, write_summary
-    from rlver_lib.io import write_jsonl
+    from rlver_lib.evaluation.benchmark import write_summary
+    from rlver_lib.evaluation.paired import write_paired
+    from rlver_lib.evaluation.stage import headline_markdown
+    from rlver_lib.files import write_jsonl
 
     # a has two pairs, b and c one each (c's second pair errored on the trained side, last emotion 45)
     records = {"baseline": [_scored("a", 0, 40), _scored("a", 1, 60), _scored("b", 0, 20), _scored("c", 0, 10),
@@ -397,7 +394,7 @@ def test_headline_scores_subtract_to_the_paired_difference(tmp_path):
 
 
 def test_mixed_judges_are_refused():
-    from rlver_lib.evaluation import JudgeMismatchError, check_same_judge
+    from rlver_lib.evaluation.judge import JudgeMismatchError, check_same_judge
 
     proto = {"name": "full", "initial_emotion": 40, "max_policy_turns": 10, "appraised_turns": 10, "repeats": 1}
     moderate = {"backend": "llamacpp", "model": "m", "difficulty": "moderate", "seed": 0}
@@ -415,8 +412,8 @@ def test_mixed_judges_are_refused():
 def test_ablation_over_the_judge_is_refused_before_anything_runs(tmp_path):
     import textwrap
 
-    from rlver_lib import workbench
     from rlver_lib.config import ConfigError
+    from rlver_lib.pipeline.ablate import run_ablation
 
     grid = tmp_path / "grid.yaml"
     grid.write_text(textwrap.dedent(f"""
@@ -429,23 +426,21 @@ def test_ablation_over_the_judge_is_refused_before_anything_runs(tmp_path):
           evaluation.judge.difficulty: [moderate, hard]
     """))
     with pytest.raises(ConfigError, match=r"judged differently.*evaluation\.judge"):
-        workbench.run_ablation(grid, progress=False)
+        run_ablation(grid, progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_evaluate_uses_the_judge_not_the_training_simulator(tmp_path, monkeypatch):
-    from rlver_lib import models
     from rlver_lib.config import build_config
-    from rlver_lib.evaluation import headline_markdown
-    from rlver_lib.workbench import evaluate
+    from rlver_lib.evaluation.stage import evaluate, headline_markdown
 
     scenarios = _three_scenarios()
     openings = [s.opening_line for s in scenarios]
     policies = {"baseline": ScriptedPolicy(dict(zip(openings, ["tell", "tell", "alternate"]))),
                 "trained": ScriptedPolicy(dict(zip(openings, ["ask", "alternate", "ask"])))}
     current = {}
-    monkeypatch.setattr(models, "load_policy", lambda cfg: (None, None))
-    monkeypatch.setattr(models, "make_policy_backend", lambda cfg, m, t: policies[current["label"]])
+    monkeypatch.setattr("rlver_lib.evaluation.stage.load_policy", lambda cfg: (None, None))
+    monkeypatch.setattr("rlver_lib.evaluation.stage.make_policy_backend", lambda cfg, m, t: policies[current["label"]])
     cfg = build_config({
         "output_root": str(tmp_path), "run_name": "r",
         # a hard LLM training simulator that must not be built: its model file does not exist
@@ -473,8 +468,10 @@ def test_evaluate_uses_the_judge_not_the_training_simulator(tmp_path, monkeypatc
 
 
 def test_headline_shows_intervals_from_ten_scenarios_on(tmp_path):
-    from rlver_lib.evaluation import headline_markdown, write_paired, write_summary
-    from rlver_lib.io import write_jsonl
+    from rlver_lib.evaluation.benchmark import write_summary
+    from rlver_lib.evaluation.paired import write_paired
+    from rlver_lib.evaluation.stage import headline_markdown
+    from rlver_lib.files import write_jsonl
 
     proto = {"name": "sage", "initial_emotion": 40, "max_policy_turns": 10, "appraised_turns": 9, "repeats": 1}
     judge = {"backend": "openai", "model": "judge-7b", "base_url": "http://h/v1", "difficulty": "moderate",
@@ -496,7 +493,7 @@ def test_headline_shows_intervals_from_ten_scenarios_on(tmp_path):
 
 
 def test_benchmark_counts_character_breaks_and_headline_shows_them(tmp_path):
-    from rlver_lib.evaluation import headline_markdown
+    from rlver_lib.evaluation.stage import headline_markdown
     from rlver_lib.scenarios import load_scenarios
     from rlver_lib.simulator import RuleSimulator
 
@@ -549,10 +546,10 @@ def _sha_of_files(names):
 
 
 def test_judge_description_records_every_sampling_setting_cap_and_n_ctx(monkeypatch):
-    from rlver_lib import evaluation
+    from rlver_lib.evaluation.judge import judge_description
 
-    monkeypatch.setattr(evaluation, "_SERVED", {})
-    d = evaluation.judge_description(_judge_ns(), seed=11)
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
+    d = judge_description(_judge_ns(), seed=11)
     assert {k: d[k] for k in ("backend", "model", "base_url", "difficulty", "appraisal", "temperature", "top_p",
                               "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                               "max_new_tokens", "n_ctx", "appraisal_chars", "message_chars", "seed")} == {
@@ -563,60 +560,61 @@ def test_judge_description_records_every_sampling_setting_cap_and_n_ctx(monkeypa
     # settings that do not change an answer are not identity; nothing was asked of a server
     assert not {"max_retries", "timeout_s", "concurrency", "n_threads", "api_key_env", "initial_emotion",
                 "served"} & set(d)
-    assert d == evaluation.judge_description(_judge_ns(concurrency=2, timeout_s=5.0, max_retries=0), seed=11)
+    assert d == judge_description(_judge_ns(concurrency=2, timeout_s=5.0, max_retries=0), seed=11)
     for key, value in {"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                        "frequency_penalty": 0.0, "top_p": 1.0, "n_ctx": 4096, "message_chars": 400}.items():
-        assert evaluation.judge_description(_judge_ns(**{key: value}), seed=11)[key] == value
-        assert evaluation.judge_description(_judge_ns(**{key: value}), seed=11) != d, key
+        assert judge_description(_judge_ns(**{key: value}), seed=11)[key] == value
+        assert judge_description(_judge_ns(**{key: value}), seed=11) != d, key
 
 
 def test_judge_description_reads_missing_fields_with_defaults(monkeypatch):
     """A config written before the sampling fields and the appraisal mode existed (or one
     spelling llama.cpp's ``repeat_penalty``) is still described."""
-    from rlver_lib import evaluation
+    from rlver_lib.evaluation.judge import judge_description
 
-    monkeypatch.setattr(evaluation, "_SERVED", {})
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
     old = _judge_ns()
     for name in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                  "appraisal"):
         delattr(old, name)
-    d = evaluation.judge_description(old, seed=0)
+    d = judge_description(old, seed=0)
     assert (d["top_p"], d["top_k"], d["min_p"], d["repetition_penalty"], d["presence_penalty"],
             d["frequency_penalty"], d["appraisal"]) == (1.0, 0, 0.0, 1.0, 0.0, 0.0, "first_person")
     spelled = _judge_ns(repeat_penalty=1.3)
     delattr(spelled, "repetition_penalty")
-    assert evaluation.judge_description(spelled, seed=0)["repetition_penalty"] == 1.3
+    assert judge_description(spelled, seed=0)["repetition_penalty"] == 1.3
     # the real config, before or after its sampling fields were added
     from rlver_lib.config import JudgeConfig
 
     cfg = JudgeConfig(backend="openai", base_url="http://h/v1", model="m")
-    d = evaluation.judge_description(cfg, seed=0)
+    d = judge_description(cfg, seed=0)
     assert d["top_k"] == getattr(cfg, "top_k", 0) and d["min_p"] == getattr(cfg, "min_p", 0.0)
     assert d["n_ctx"] == cfg.n_ctx and d["appraisal_chars"] == cfg.appraisal_chars
 
 
 def test_judge_description_expected_settings_only_for_the_expected_appraisal(monkeypatch):
-    from rlver_lib import evaluation
+    from rlver_lib.evaluation.judge import judge_description
 
-    monkeypatch.setattr(evaluation, "_SERVED", {})
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
     extra = {"expected_center": 0.6, "expected_scale": 30.0, "expected_answer_order": "no_yes"}
-    sage = evaluation.judge_description(_judge_ns(appraisal="sage", **extra), seed=0)
+    sage = judge_description(_judge_ns(appraisal="sage", **extra), seed=0)
     assert not any(k.startswith("expected_") for k in sage)
-    expected = evaluation.judge_description(_judge_ns(appraisal="expected", **extra), seed=0)
+    expected = judge_description(_judge_ns(appraisal="expected", **extra), seed=0)
     assert {k: expected[k] for k in extra} == extra
     from rlver_lib.simulator import UserSimulator
 
     assert expected["expected_top_logprobs"] == UserSimulator.TOP_N
     assert expected["expected_difficulty_shift"] == 0.0  # moderate
-    hard = evaluation.judge_description(_judge_ns(appraisal="expected", difficulty="hard", **extra), seed=0)
+    hard = judge_description(_judge_ns(appraisal="expected", difficulty="hard", **extra), seed=0)
     assert hard["expected_difficulty_shift"] > 0  # a harsh user needs a clearer "yes"
 
 
 def test_judge_prompt_fingerprint_covers_the_files_of_its_mode_and_difficulty(monkeypatch):
-    from rlver_lib import evaluation, simulator
+    from rlver_lib import simulator
+    from rlver_lib.evaluation.judge import judge_description
 
-    monkeypatch.setattr(evaluation, "_SERVED", {})
-    sage = evaluation.judge_description(_judge_ns(appraisal="sage"), seed=0)
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
+    sage = judge_description(_judge_ns(appraisal="sage"), seed=0)
     files = set(sage["prompt_files"])
     assert {"sim_appraise_sage_en.txt", "sim_appraise_sage_zh.txt", "sim_difficulty_moderate_sage_en.txt",
             "sim_difficulty_moderate_sage_zh.txt", "sim_system_en.txt", "sim_system_zh.txt", "sim_vocab_en.json",
@@ -626,14 +624,14 @@ def test_judge_prompt_fingerprint_covers_the_files_of_its_mode_and_difficulty(mo
                         "sim_difficulty_hard_sage_en.txt", "sim_difficulty_easy_sage_zh.txt",
                         "sim_checklist_en.json"}
     assert sage["prompts_sha256"] == _sha_of_files(sage["prompt_files"])
-    first = evaluation.judge_description(_judge_ns(appraisal="first_person"), seed=0)
+    first = judge_description(_judge_ns(appraisal="first_person"), seed=0)
     assert {"sim_appraise_en.txt", "sim_difficulty_moderate_en.txt"} <= set(first["prompt_files"])
     assert not {n for n in first["prompt_files"] if "_sage_" in n or n.startswith("sim_checklist_")}
     assert first["prompts_sha256"] == _sha_of_files(first["prompt_files"]) != sage["prompts_sha256"]
-    expected = evaluation.judge_description(_judge_ns(appraisal="expected"), seed=0)
+    expected = judge_description(_judge_ns(appraisal="expected"), seed=0)
     assert {"sim_checklist_en.json", "sim_checklist_zh.json", "sim_system_en.txt"} <= set(expected["prompt_files"])
     assert not {n for n in expected["prompt_files"] if n.startswith(("sim_appraise_", "sim_difficulty_"))}
-    hard = evaluation.judge_description(_judge_ns(appraisal="sage", difficulty="hard"), seed=0)
+    hard = judge_description(_judge_ns(appraisal="sage", difficulty="hard"), seed=0)
     assert "sim_difficulty_hard_sage_en.txt" in hard["prompt_files"]
     assert hard["prompts_sha256"] != sage["prompts_sha256"]
     # the simulator's own list is what is recorded
@@ -641,20 +639,21 @@ def test_judge_prompt_fingerprint_covers_the_files_of_its_mode_and_difficulty(mo
 
 
 def test_judge_schema_fingerprint_is_the_schemas_built_in_code(monkeypatch):
-    from rlver_lib import evaluation, simulator
+    from rlver_lib import simulator
+    from rlver_lib.evaluation.judge import judge_description
 
-    monkeypatch.setattr(evaluation, "_SERVED", {})
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
     # the reply schema follows the field caps, so a cap is part of the fingerprint
-    assert (evaluation.judge_description(_judge_ns(message_chars=300), seed=0)["schemas_sha256"]
-            != evaluation.judge_description(_judge_ns(message_chars=301), seed=0)["schemas_sha256"])
-    first = evaluation.judge_description(_judge_ns(appraisal="first_person", appraisal_chars=50), seed=0)
+    assert (judge_description(_judge_ns(message_chars=300), seed=0)["schemas_sha256"]
+            != judge_description(_judge_ns(message_chars=301), seed=0)["schemas_sha256"])
+    first = judge_description(_judge_ns(appraisal="first_person", appraisal_chars=50), seed=0)
     built = {"appraise": simulator.appraisal_schema(50), "reply": simulator.reply_schema(50, 900),
              "opening": simulator.OPENING_SCHEMA}
     text = json.dumps(built, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     assert first["schemas_sha256"] == _hashlib.sha256(text.encode("utf-8")).hexdigest()
-    sage = evaluation.judge_description(_judge_ns(appraisal="sage", appraisal_chars=50), seed=0)
+    sage = judge_description(_judge_ns(appraisal="sage", appraisal_chars=50), seed=0)
     assert sage["schemas_sha256"] != first["schemas_sha256"]  # the same caps, SAGE's five-value scale
-    expected = evaluation.judge_description(_judge_ns(appraisal="expected", appraisal_chars=50), seed=0)
+    expected = judge_description(_judge_ns(appraisal="expected", appraisal_chars=50), seed=0)
     built = {"reply": simulator.reply_schema(50, 900, reasoning=False), "opening": simulator.OPENING_SCHEMA}
     text = json.dumps(built, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     assert expected["schemas_sha256"] == _hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -690,7 +689,7 @@ def _stub_server(routes):
 def test_judge_server_identity_tolerates_404_and_keeps_what_names_the_weights():
     from conftest import free_port
 
-    from rlver_lib.evaluation import served_model_identity
+    from rlver_lib.evaluation.judge import served_model_identity
 
     vllm_like = {"object": "list", "data": [
         {"id": "simulator", "object": "model", "created": 1712345678, "owned_by": "vllm",
@@ -712,7 +711,7 @@ def test_judge_server_identity_tolerates_404_and_keeps_what_names_the_weights():
 
 
 def test_judge_server_identity_of_a_real_llama_server(openai_server):
-    from rlver_lib.evaluation import served_model_identity
+    from rlver_lib.evaluation.judge import served_model_identity
     from rlver_lib.models import smollm2_gguf_path
 
     got = served_model_identity(openai_server, 30, model="smollm2")
@@ -727,52 +726,58 @@ def test_judge_server_identity_of_a_real_llama_server(openai_server):
 
 
 def test_build_judge_records_the_model_behind_the_alias(openai_server, monkeypatch):
-    from rlver_lib import evaluation
     from rlver_lib.config import JudgeConfig
+    from rlver_lib.evaluation.judge import (
+        build_judge,
+        close_simulator,
+        judge_description,
+        judge_name,
+        served_model_identity,
+    )
     from rlver_lib.models import smollm2_gguf_path
 
-    monkeypatch.setattr(evaluation, "_SERVED", {})
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     eval_cfg = EvaluationConfig(judge=JudgeConfig(backend="openai", base_url=openai_server + "/v1", model="smollm2",
                                                   concurrency=1))
-    before = evaluation.judge_description(eval_cfg.judge, seed=4)
+    before = judge_description(eval_cfg.judge, seed=4)
     assert "served" not in before
-    judge = evaluation.build_judge(eval_cfg, run_seed=4)
+    judge = build_judge(eval_cfg, run_seed=4)
     try:
-        assert judge.served_model == evaluation.served_model_identity(openai_server, 30, model="smollm2")
-        described = evaluation.judge_description(eval_cfg.judge, seed=4)
+        assert judge.served_model == served_model_identity(openai_server, 30, model="smollm2")
+        described = judge_description(eval_cfg.judge, seed=4)
         assert described["served"] == judge.served_model
         assert {k: v for k, v in described.items() if k != "served"} == before
         assert described["served"]["props"]["model_path"] == str(smollm2_gguf_path())
-        name = evaluation.judge_name(described)
+        name = judge_name(described)
         assert f"`smollm2` (serving `{smollm2_gguf_path().name}`) through `openai` at {openai_server}/v1" in name
         assert "top_k" in name and "min_p" in name and "seed 4" in name
     finally:
-        evaluation.close_simulator(judge)
+        close_simulator(judge)
 
 
 def test_build_judge_asks_the_llama_server_it_started(monkeypatch):
     """A ``llamacpp`` judge: the server the backend started on a free port is asked."""
-    from rlver_lib import evaluation
     from rlver_lib.config import JudgeConfig
+    from rlver_lib.evaluation.judge import build_judge, close_simulator, judge_description
     from rlver_lib.models import EMBEDDED_POLICY, smollm2_gguf_path
 
-    monkeypatch.setattr(evaluation, "_SERVED", {})
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
     eval_cfg = EvaluationConfig(judge=JudgeConfig(backend="llamacpp", model=EMBEDDED_POLICY, concurrency=1,
                                                   n_ctx=1024, n_threads=1))
-    judge = evaluation.build_judge(eval_cfg, run_seed=0)
+    judge = build_judge(eval_cfg, run_seed=0)
     try:
-        served = evaluation.judge_description(eval_cfg.judge, seed=0)["served"]
+        served = judge_description(eval_cfg.judge, seed=0)["served"]
         assert served["model_listed"] is True
         assert [m["id"] for m in served["models"]] == [smollm2_gguf_path().stem]  # the backend's alias
         assert served["props"]["model_path"] == str(smollm2_gguf_path())
         assert served["props"]["default_generation_settings"]["n_ctx"] == 1024
     finally:
-        evaluation.close_simulator(judge)
+        close_simulator(judge)
 
 
 def test_check_same_judge_names_nested_served_and_sampling_differences():
-    from rlver_lib.evaluation import JudgeMismatchError, check_same_judge
+    from rlver_lib.evaluation.judge import JudgeMismatchError, check_same_judge
 
     proto = {"name": "full", "initial_emotion": 40, "max_policy_turns": 10, "appraised_turns": 10, "repeats": 1}
     judge = {"backend": "openai", "model": "simulator", "top_k": 0, "seed": 0,

@@ -40,7 +40,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from rlver_lib.io import iter_jsonl
+from rlver_lib.files import iter_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = REPO / "tests" / "mp_train.py"

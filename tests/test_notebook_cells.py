@@ -74,3 +74,12 @@ def test_notebook_cells_only_call_the_library(path):
     found = {f"cell {i}": problems for i, cell in enumerate(nb.cells)
              if cell.cell_type == "code" and (problems := cell_problems(cell.source))}
     assert found == {}
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if not p.values[0].stem.startswith("05")])
+def test_run_notebooks_open_with_notebook_session(path):
+    """Every notebook of a run (not the grid's 05) sets up with ``notebook.notebook_session``."""
+    nb = nbformat.read(path, as_version=4)
+    setup = next(cell for cell in nb.cells
+                 if cell.cell_type == "code" and "parameters" not in cell.metadata.get("tags", []))
+    assert "notebook.notebook_session(params_file, run_dir, overrides)" in setup.source

@@ -12,8 +12,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from rlver_lib import workbench
 from rlver_lib.config import load_config
+from rlver_lib.pipeline.manifest import read_manifest
+from rlver_lib.pipeline.report import execute_notebook
+from rlver_lib.pipeline.run import run_pipeline
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +25,7 @@ TINY = ROOT / "tests" / "params_tiny.yaml"
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     cfg = load_config(TINY, {"output_root": str(tmp_path_factory.mktemp("outputs"))})
-    report = workbench.run_pipeline(cfg, params_file=str(TINY), progress=False)
+    report = run_pipeline(cfg, params_file=str(TINY), progress=False)
     return cfg, cfg.run_dir.resolve(), report
 
 
@@ -39,7 +41,7 @@ def _outputs_text(path: Path) -> str:
 
 def test_pipeline_stages_complete_with_their_outputs(tiny_run):
     cfg, run, _ = tiny_run
-    manifest = workbench.read_manifest(run)
+    manifest = read_manifest(run)
     assert manifest["status"] == "complete"
     assert [k for k, v in manifest["stages"].items() if v["status"] == "complete"] == cfg.stages
     for rel in ("scenarios/train.jsonl", "scenarios/test.jsonl", "eval/baseline/summary.json",
@@ -67,7 +69,7 @@ def test_report_embeds_the_expected_figures(tiny_run):
     for heading in ("01 · Scenario design", "04 · Evaluation", "03 · Training", "06 · Analysis",
                     "Models that ran", "What this run can and cannot show"):
         assert heading in html
-    assert "workbench.notebook_session(" not in html and "workbench.open_run(" not in html  # code hidden
+    assert "notebook.notebook_session(" not in html  # code hidden
     assert "Traceback" not in html
 
 
@@ -85,7 +87,7 @@ def test_analysis_notebook_compares_baseline_and_trained(tiny_run):
 def test_simulator_playground_shows_each_appraisal(tiny_run, tmp_path):
     cfg, run, _ = tiny_run
     out = tmp_path / "02.ipynb"
-    workbench.execute_notebook("02_simulator.ipynb", out, {
+    execute_notebook("02_simulator.ipynb", out, {
         "params_file": str(TINY), "run_dir": str(run), "max_turns": 2})
     text = _outputs_text(out)
     assert "appraisal.rule" in text and "default_change_fn" in text
@@ -105,7 +107,7 @@ def test_scenarios_notebook_splits_by_persona(tiny_run, tmp_path):
 def test_ablation_notebook_compares_runs(tiny_run, tmp_path):
     _, run, _ = tiny_run
     out = tmp_path / "05.ipynb"
-    workbench.execute_notebook("05_ablations.ipynb", out, {
+    execute_notebook("05_ablations.ipynb", out, {
         "grid_dir": str(run.parent), "run_dirs": [str(run)], "axes": ["training.algorithm"]})
     text = _outputs_text(out)
     trained = json.loads((run / "eval" / "trained" / "summary.json").read_text())

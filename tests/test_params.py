@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from rlver_lib.config import ConfigError, build_config, load_config, load_params, merge_params
-from rlver_lib.workbench import load_grid
+from rlver_lib.pipeline.ablate import load_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_DIR = ROOT / "params" / "accelerate"  # `accelerate launch --config_file` files, not run params

@@ -334,8 +334,8 @@ def test_same_seed_same_transcripts_with_real_policy(smollm2_backend):
 
 
 def test_records_hold_the_transcript_and_old_records_still_read():
-    from rlver_lib.evaluation import dialogue_view
-    from rlver_lib.rollout import Trajectory, record_transcript
+    from rlver_lib.records import dialogue_view, record_transcript
+    from rlver_lib.rollout import Trajectory
 
     transcript = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                   {"role": "user", "content": "ok", "change": 5, "emotion": 45, "label": "B"}]

@@ -17,7 +17,7 @@ import torch
 
 from rlver_lib import algorithms
 from rlver_lib.config import EMBEDDED_POLICY, ConfigError, build_config, load_config
-from rlver_lib.io import iter_jsonl
+from rlver_lib.files import iter_jsonl
 from rlver_lib.rollout import RuleSimulator
 from rlver_lib.scenarios import Scenario
 from rlver_lib.trainer import (
@@ -409,7 +409,7 @@ def test_score_old_computes_no_entropy_and_matches_the_update_forward(monkeypatc
 
 
 def test_atomic_directory_replaces_whole_or_not_at_all(tmp_path):
-    from rlver_lib.io import atomic_directory
+    from rlver_lib.files import atomic_directory
 
     target = tmp_path / "ckpt"
     with atomic_directory(target) as tmp:

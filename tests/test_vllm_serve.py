@@ -38,7 +38,7 @@ require_vllm()
 import jsonschema  # noqa: E402
 
 from rlver_lib.config import SamplingParams, build_config  # noqa: E402
-from rlver_lib.evaluation import run_benchmark  # noqa: E402
+from rlver_lib.evaluation.benchmark import run_benchmark  # noqa: E402
 from rlver_lib.simulator import UserSimulator, apply_change, appraisal_schema, reply_schema  # noqa: E402
 from rlver_lib.vllm_backend import VLLMServer  # noqa: E402
 

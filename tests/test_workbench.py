@@ -14,9 +14,28 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from rlver_lib import workbench
-from rlver_lib.config import ConfigError, build_config
-from rlver_lib.io import atomic_write_json
+from rlver_lib.config import ConfigError, build_config, dump_config
+from rlver_lib.evaluation.stage import eval_command, evaluate
+from rlver_lib.files import atomic_write_json
+from rlver_lib.pipeline.ablate import run_ablation
+from rlver_lib.pipeline.manifest import read_manifest, track_peak_memory
+from rlver_lib.pipeline.notebook import (
+    notebook_session,
+    run_scenarios,
+    scenario_table,
+    transcript_table,
+    validate_scenario_sources,
+    write_run_scenarios,
+)
+from rlver_lib.pipeline.report import limits_statement
+from rlver_lib.pipeline.run import (
+    FOLLOW_POLL_S,
+    PipelineError,
+    pipeline_stages,
+    prepare_run_dir,
+    run_pipeline,
+    stage_complete,
+)
 
 STAND_IN = {
     "01_scenarios.ipynb": "(run / 'scenarios').mkdir(parents=True, exist_ok=True)\n"
@@ -54,7 +73,7 @@ def notebooks(tmp_path, monkeypatch):
         else:
             nb = _stand_in("from pathlib import Path\nrun = Path(run_dir)\n" + body, run_params)
         nbformat.write(nb, folder / name)
-    monkeypatch.setattr(workbench, "NOTEBOOK_DIR", folder)
+    monkeypatch.setattr("rlver_lib.pipeline.report.NOTEBOOK_DIR", folder)
     return folder
 
 
@@ -66,16 +85,16 @@ def _cfg(tmp_path, **overrides):
 
 def test_pipeline_writes_manifest_report_and_resumes(tmp_path, notebooks):
     cfg = _cfg(tmp_path)
-    report = workbench.run_pipeline(cfg, progress=False)
+    report = run_pipeline(cfg, progress=False)
     run = cfg.run_dir.resolve()
-    manifest = workbench.read_manifest(run)
+    manifest = read_manifest(run)
     assert manifest["status"] == "complete" and manifest["seed"] == 0
     assert list(manifest["stages"]) == ["scenarios", "baseline", "analysis"]
     for record in manifest["stages"].values():
         assert record["status"] == "complete"
         assert record["wall_s"] > 0 and record["peak_rss_mb"] > 10
     assert manifest["versions"]["papermill"] and "commit" in manifest["git"]
-    assert (run / "config.yaml").read_text() == workbench.dump_config(cfg)
+    assert (run / "config.yaml").read_text() == dump_config(cfg)
     assert sorted(p.name for p in (run / "notebooks").iterdir()) == [
         "01_scenarios.ipynb", "04_evaluation_baseline.ipynb", "06_analysis.ipynb"]
 
@@ -85,8 +104,8 @@ def test_pipeline_writes_manifest_report_and_resumes(tmp_path, notebooks):
     assert "Models that ran" in html and "cannot" in html
 
     before = {k: v["started"] for k, v in manifest["stages"].items()}
-    workbench.run_pipeline(cfg, progress=False)
-    again = workbench.read_manifest(run)
+    run_pipeline(cfg, progress=False)
+    again = read_manifest(run)
     assert {k: v["started"] for k, v in again["stages"].items()} == before  # nothing re-ran
     assert all("skipped_at" in v for v in again["stages"].values())
     assert len(again["runs"]) == 2
@@ -95,11 +114,11 @@ def test_pipeline_writes_manifest_report_and_resumes(tmp_path, notebooks):
 def test_failing_stage_stops_keeps_partial_output_and_resumes(tmp_path, notebooks, monkeypatch):
     cfg = _cfg(tmp_path)
     monkeypatch.setenv("FAIL_STAGE", "baseline")
-    with pytest.raises(workbench.PipelineError, match="boom in baseline") as info:
-        workbench.run_pipeline(cfg, progress=False)
+    with pytest.raises(PipelineError, match="boom in baseline") as info:
+        run_pipeline(cfg, progress=False)
     assert "stage 'baseline' failed" in str(info.value)
     run = cfg.run_dir.resolve()
-    manifest = workbench.read_manifest(run)
+    manifest = read_manifest(run)
     assert manifest["status"] == "failed"
     assert manifest["stages"]["scenarios"]["status"] == "complete"
     assert manifest["stages"]["baseline"]["status"] == "failed"
@@ -110,8 +129,8 @@ def test_failing_stage_stops_keeps_partial_output_and_resumes(tmp_path, notebook
 
     scenarios_started = manifest["stages"]["scenarios"]["started"]
     monkeypatch.delenv("FAIL_STAGE")
-    workbench.run_pipeline(cfg, progress=False)
-    manifest = workbench.read_manifest(run)
+    run_pipeline(cfg, progress=False)
+    manifest = read_manifest(run)
     assert manifest["status"] == "complete"
     assert manifest["stages"]["scenarios"]["started"] == scenarios_started  # not re-run
 
@@ -119,38 +138,38 @@ def test_failing_stage_stops_keeps_partial_output_and_resumes(tmp_path, notebook
 def test_stage_without_its_output_is_not_complete(tmp_path):
     cfg = _cfg(tmp_path)
     run = cfg.run_dir
-    stage = workbench.pipeline_stages(cfg, run)[0]
+    stage = pipeline_stages(cfg, run)[0]
     manifest = {"stages": {"scenarios": {"status": "complete"}}}
-    assert not workbench.stage_complete(run, manifest, stage)  # marker file missing
+    assert not stage_complete(run, manifest, stage)  # marker file missing
     (run / "scenarios").mkdir(parents=True)
     (run / "scenarios" / "test.jsonl").write_text("{}\n")
-    assert workbench.stage_complete(run, manifest, stage)
+    assert stage_complete(run, manifest, stage)
 
 
 def test_pipeline_stage_order_and_adapters(tmp_path):
     cfg = build_config({"stages": ["evaluate", "train", "scenarios", "baseline", "analysis"]})
     run = tmp_path / "run"
-    stages = workbench.pipeline_stages(cfg, run)
+    stages = pipeline_stages(cfg, run)
     assert [s.name for s in stages] == ["scenarios", "baseline", "train", "evaluate", "analysis"]
     by_name = {s.name: s for s in stages}
     assert by_name["baseline"].params == {"label": "baseline", "adapter": None}
     assert by_name["evaluate"].params == {"label": "trained", "adapter": str(run / "train" / "adapter")}
     no_train = build_config({"stages": ["evaluate"], "policy": {"adapter": "some/adapter"}})
-    (evaluate,) = workbench.pipeline_stages(no_train, run)
+    (evaluate,) = pipeline_stages(no_train, run)
     assert evaluate.params["adapter"] == "some/adapter"
 
 
 def test_changed_config_in_existing_run_folder_is_refused(tmp_path):
-    workbench.prepare_run_dir(_cfg(tmp_path))
+    prepare_run_dir(_cfg(tmp_path))
     with pytest.raises(ConfigError, match=r"training\.steps"):
-        workbench.prepare_run_dir(_cfg(tmp_path, **{"training.steps": 3}))
+        prepare_run_dir(_cfg(tmp_path, **{"training.steps": 3}))
 
 
 def test_peak_memory_includes_child_processes():
     code = "b = bytearray(300 * 2**20); import time; time.sleep(1.5)"
-    with workbench.track_peak_memory(interval_s=0.05) as baseline:
+    with track_peak_memory(interval_s=0.05) as baseline:
         pass
-    with workbench.track_peak_memory(interval_s=0.05) as peak:
+    with track_peak_memory(interval_s=0.05) as peak:
         subprocess.run([sys.executable, "-c", code], check=True)
     assert peak["peak_rss_mb"] - baseline["peak_rss_mb"] > 250
 
@@ -166,12 +185,12 @@ def test_ablation_skips_finished_cells(tmp_path, notebooks):
         axes:
           training.algorithm: [grpo, ppo]
     """))
-    report = workbench.run_ablation(grid, progress=False)
+    report = run_ablation(grid, progress=False)
     grid_dir = tmp_path / "out" / "g"
     cells = ["algorithm-grpo", "algorithm-ppo"]
     assert report == grid_dir / "report.html" and report.exists()
     assert (grid_dir / "compared.txt").read_text() == "2"
-    first = {c: workbench.read_manifest(grid_dir / c)["stages"]["scenarios"]["started"] for c in cells}
+    first = {c: read_manifest(grid_dir / c)["stages"]["scenarios"]["started"] for c in cells}
 
     # leave the second cell half-finished: its stage record says running
     manifest_path = grid_dir / cells[1] / "manifest.json"
@@ -179,8 +198,8 @@ def test_ablation_skips_finished_cells(tmp_path, notebooks):
     manifest["status"], manifest["stages"]["scenarios"]["status"] = "running", "running"
     manifest_path.write_text(json.dumps(manifest))
 
-    workbench.run_ablation(grid, progress=False)
-    done, resumed = (workbench.read_manifest(grid_dir / c) for c in cells)
+    run_ablation(grid, progress=False)
+    done, resumed = (read_manifest(grid_dir / c) for c in cells)
     assert done["stages"]["scenarios"]["started"] == first[cells[0]]  # finished cell not re-run
     assert len(done["runs"]) == 1 and "skipped_at" not in done["stages"]["scenarios"]
     assert len(resumed["runs"]) == 2 and resumed["status"] == "complete"
@@ -196,7 +215,7 @@ def test_non_main_rank_waits_for_rank_0_then_runs_only_training(tmp_path, notebo
                    notebooks / "03_training.ipynb")
     monkeypatch.setenv("RANK", "1")
     cfg = _cfg(tmp_path, stages=["scenarios", "baseline", "analysis"])  # nothing for rank 1
-    assert workbench.run_pipeline(cfg, progress=False) == cfg.run_dir.resolve() / "report.html"
+    assert run_pipeline(cfg, progress=False) == cfg.run_dir.resolve() / "report.html"
     assert not cfg.run_dir.exists()
 
     cfg = _cfg(tmp_path, stages=["scenarios", "baseline", "train", "evaluate", "analysis"])
@@ -208,35 +227,34 @@ def test_non_main_rank_waits_for_rank_0_then_runs_only_training(tmp_path, notebo
         status = {1: {"baseline": "running"}, 2: {"baseline": "complete", "train": "running"}}[len(polls)]
         atomic_write_json(run / "manifest.json", {"stages": {k: {"status": v} for k, v in status.items()}})
 
-    monkeypatch.setattr(workbench, "_follower_sleep", rank_0_progresses)
-    workbench.run_pipeline(cfg, progress=False)
-    assert polls == [workbench.FOLLOW_POLL_S] * 2
+    monkeypatch.setattr("rlver_lib.pipeline.run._follower_sleep", rank_0_progresses)
+    run_pipeline(cfg, progress=False)
+    assert polls == [FOLLOW_POLL_S] * 2
     assert sorted(p.name for p in (run / "notebooks" / "rank1").iterdir()) == ["03_training.ipynb", "config.yaml"]
     assert (run / "train_rank1").exists() and not (run / "eval").exists() and not (run / "scenarios").exists()
-    assert workbench.read_manifest(run)["stages"]["train"] == {"status": "running"}  # rank 0's, untouched
+    assert read_manifest(run)["stages"]["train"] == {"status": "running"}  # rank 0's, untouched
 
 
 def test_evaluate_on_a_non_main_rank_loads_nothing_and_calls_no_judge(tmp_path, monkeypatch):
-    from rlver_lib import evaluation, models
 
     calls = []
-    monkeypatch.setattr(evaluation, "build_judge", lambda *a, **k: calls.append("judge"))
-    monkeypatch.setattr(models, "load_policy", lambda *a, **k: calls.append("policy"))
+    monkeypatch.setattr("rlver_lib.evaluation.stage.build_judge", lambda *a, **k: calls.append("judge"))
+    monkeypatch.setattr("rlver_lib.evaluation.stage.load_policy", lambda *a, **k: calls.append("policy"))
     monkeypatch.setenv("RANK", "1")
     cfg = _cfg(tmp_path)
-    assert workbench.evaluate(cfg, label="baseline") is None
-    assert workbench.eval_command(cfg) == 0
+    assert evaluate(cfg, label="baseline") is None
+    assert eval_command(cfg) == 0
     assert calls == [] and not cfg.run_dir.exists()
 
 
 def test_limits_statement_names_models_and_limits_only_for_small_models():
     small = build_config({"stages": ["baseline"]})
-    text = workbench.limits_statement(small)
+    text = limits_statement(small)
     assert "embedded:smollm2-135m-instruct" in text and "135M" in text and "1.5B" in text
     assert "Training:" not in text  # no train stage
     big = build_config({"policy": {"model": "Qwen/Qwen2.5-7B-Instruct"},
                         "simulator": {"backend": "openai", "base_url": "http://h/v1", "model": "sim"}})
-    text = workbench.limits_statement(big)
+    text = limits_statement(big)
     assert "Qwen/Qwen2.5-7B-Instruct" in text and "cannot" not in text and "Training: GRPO" in text
 
 
@@ -250,7 +268,7 @@ def test_notebook_session_opens_the_run_and_sets_up_display(tmp_path, capsys):
     params.write_text("run_name: nb\nsimulator:\n  backend: rule\n", encoding="utf-8")
     before = pd.get_option("display.max_colwidth")
     try:
-        cfg, run_dir = workbench.notebook_session(params, tmp_path / "runs" / "x", {"training.steps": 3})
+        cfg, run_dir = notebook_session(params, tmp_path / "runs" / "x", {"training.steps": 3})
         assert pd.get_option("display.max_colwidth") == 120
     finally:
         pd.set_option("display.max_colwidth", before)
@@ -265,16 +283,16 @@ def test_run_scenarios_prefers_the_runs_written_split(tmp_path):
     cfg = _cfg(tmp_path, **{"scenarios.limit_train": 3})
     builtin_train = load_scenarios("builtin:train")
     # nothing written yet: the config's source, cut to its limit (test has no limit)
-    assert [s.id for s in workbench.run_scenarios(cfg, tmp_path, "train")] == [s.id for s in builtin_train[:3]]
-    assert len(workbench.run_scenarios(cfg, tmp_path, "test")) == len(load_scenarios("builtin:test"))
+    assert [s.id for s in run_scenarios(cfg, tmp_path, "train")] == [s.id for s in builtin_train[:3]]
+    assert len(run_scenarios(cfg, tmp_path, "test")) == len(load_scenarios("builtin:test"))
     split = RunSplit(train=builtin_train[5:7], test=load_scenarios("builtin:test")[:1], dropped=[])
-    folder = workbench.write_run_scenarios(tmp_path, split)
+    folder = write_run_scenarios(tmp_path, split)
     assert folder == tmp_path / "scenarios"
     assert sorted(p.name for p in folder.iterdir()) == ["test.jsonl", "train.jsonl"]
-    assert workbench.run_scenarios(cfg, tmp_path, "train") == split.train  # round trip, limit not re-applied
-    assert workbench.run_scenarios(cfg, tmp_path, "test") == split.test
+    assert run_scenarios(cfg, tmp_path, "train") == split.train  # round trip, limit not re-applied
+    assert run_scenarios(cfg, tmp_path, "test") == split.test
     with pytest.raises(ValueError, match="'train' or 'test'"):
-        workbench.run_scenarios(cfg, tmp_path, "valid")
+        run_scenarios(cfg, tmp_path, "valid")
 
 
 def test_scenario_table_rows_and_truncation():
@@ -282,23 +300,23 @@ def test_scenario_table_rows_and_truncation():
 
     first, second = load_scenarios("builtin:test")[:2]
     second = second.model_copy(update={"opening_line": None})
-    table = workbench.scenario_table([first, second], width=10)
+    table = scenario_table([first, second], width=10)
     assert list(table.columns) == ["id", "language", "personality", "hidden_intention", "persona", "opening_line"]
     assert table["id"].tolist() == [first.id, second.id]
     assert table["persona"].tolist() == [first.persona[:10], second.persona[:10]]
     assert table.loc[1, "opening_line"] == "" and table.loc[0, "hidden_intention"] == first.hidden_intention
-    assert workbench.scenario_table([]).shape == (0, 6)
+    assert scenario_table([]).shape == (0, 6)
 
 
 def test_validate_scenario_sources_checks_each_file_once(tmp_path):
     from rlver_lib.config import ScenarioConfig
     from rlver_lib.scenarios import BUILTIN_FILE
 
-    files, issues = workbench.validate_scenario_sources(ScenarioConfig())  # builtin:train + builtin:test
+    files, issues = validate_scenario_sources(ScenarioConfig())  # builtin:train + builtin:test
     assert files == [str(BUILTIN_FILE)] and issues == []
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n', encoding="utf-8")
-    files, issues = workbench.validate_scenario_sources(ScenarioConfig(train=str(bad)))
+    files, issues = validate_scenario_sources(ScenarioConfig(train=str(bad)))
     assert files == [str(bad), str(BUILTIN_FILE)]
     assert issues and {i.file for i in issues} == {str(bad)} and all(i.line == 1 for i in issues)
 
@@ -314,7 +332,7 @@ def test_transcript_table_shows_the_appraisal_of_user_turns():
     ]
     traj = Trajectory("d0", "s0", "g0", turns, final_emotion=46, reward=0.46, termination="max_turns",
                       initial_emotion=40)
-    table = workbench.transcript_table(traj)
+    table = transcript_table(traj)
     assert table["speaker"].tolist() == ["user", "assistant", "user"]
     assert table["text"].tolist() == ["I failed again.", "That sounds hard.", "It is."]
     assert table.loc[2, ["change", "emotion", "label", "appraisal.meaning", "appraisal.reaction"]].tolist() == \

@@ -37,8 +37,9 @@ import numpy as np
 import pandas as pd
 from scipy.stats import norm
 
-from rlver_lib.backends import ChatBackend, SamplingParams
-from rlver_lib.io import atomic_write_json, iter_jsonl, write_jsonl
+from rlver_lib.backends import ChatBackend
+from rlver_lib.config import SamplingParams
+from rlver_lib.files import atomic_write_json, iter_jsonl, write_jsonl
 from rlver_lib.stats import PairedDifference, bootstrap_ci, paired_difference
 
 # --------------------------------------------------------------------------- sandbox

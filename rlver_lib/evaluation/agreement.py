@@ -34,6 +34,11 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from rlver_lib.config import build_config, load_config
+from rlver_lib.evaluation.judge import build_judge, close_simulator, judge_description, judge_seed
+from rlver_lib.files import JsonlError, atomic_write_json, iter_jsonl
+from rlver_lib.scenarios import ScenarioFileError, load_scenarios
+from rlver_lib.simulator import SimulatorRequest, apply_change
 from rlver_lib.stats import MIN_N, cluster_bootstrap
 
 #: Buckets of a real-valued emotion change: (label, low, high, low closed, high closed).
@@ -120,12 +125,9 @@ def load_replay(paths: Sequence[str | Path]) -> tuple[list[ReplayTurn], dict[str
     result files as RLVER/SAGE profiles).  A file is named by its file name, or by its
     path as given when two files share a name.  Raises ``FileNotFoundError``,
     ``ValueError`` for a file given twice, or
-    :class:`rlver_lib.scenarios.ScenarioFileError` / :class:`rlver_lib.io.JsonlError`
+    :class:`rlver_lib.scenarios.ScenarioFileError` / :class:`rlver_lib.files.JsonlError`
     naming the file and line of a bad record.
     """
-    from rlver_lib.io import iter_jsonl
-    from rlver_lib.scenarios import load_scenarios
-
     paths = [Path(p) for p in paths]
     resolved = [p.resolve() for p in paths]
     for i, path in enumerate(resolved):
@@ -237,8 +239,6 @@ def appraise_turns(simulator: Any, turns: Sequence[ReplayTurn], scenarios: dict[
     (its reason: the exception's type and message) and the others keep their
     judgements.  Raises ``ValueError`` when the judge answers for other turns than asked.
     """
-    from rlver_lib.simulator import SimulatorRequest
-
     call: Callable[[list[Any]], list[Any]] = getattr(simulator, "appraise", None) or simulator.step
     changes: list[int | float | None] = [None] * len(turns)
     reasons: list[str | None] = [None] * len(turns)
@@ -501,8 +501,6 @@ def permutation_test_partial(judge: Sequence[float], recorded: Sequence[float], 
 
 
 def _chain(start: float, changes: Sequence[float]) -> float:
-    from rlver_lib.simulator import apply_change
-
     e = float(start)
     for c in changes:
         e = apply_change(e, float(c))[1]
@@ -698,11 +696,6 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
     after printing the error when a file is missing or bad (a bad
     config raises :class:`rlver_lib.config.ConfigError`).
     """
-    from rlver_lib.config import build_config, load_config
-    from rlver_lib.evaluation import build_judge, close_simulator, judge_description, judge_seed
-    from rlver_lib.io import JsonlError, atomic_write_json
-    from rlver_lib.scenarios import ScenarioFileError
-
     def config(extra: Sequence[str] = ()) -> Any:
         sets = list(overrides) + list(extra)
         return load_config(params, sets) if params else build_config({}, sets)

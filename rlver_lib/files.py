@@ -138,3 +138,12 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
             yield number, json.loads(line)
         except json.JSONDecodeError as err:
             raise JsonlError(path, number, f"invalid JSON: {err.msg} (column {err.colno})") from None
+
+
+def process_rank() -> int:
+    """This process's rank under ``accelerate launch`` / ``torchrun`` (``$RANK``), else 0:
+    rank 0 is the one writer of a run folder's shared files."""
+    return int(os.environ.get("RANK", "0"))
+
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]

@@ -1,0 +1,162 @@
+"""Ablation cells side by side (notebook 05): one row per cell with its grid axes,
+paired differences against a reference cell under one judge, and per-cell tables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+import yaml
+from matplotlib.figure import Figure
+
+from rlver_lib.analysis.hacking import paired_estimate, sycophancy_rate
+from rlver_lib.analysis.runs import config_fields, run_name
+from rlver_lib.analysis.strategies import UNPARSED, plot_strategy_mix, plot_strategy_use, strategy_mix, strategy_use
+from rlver_lib.files import atomic_write_text
+from rlver_lib.records import dialogue_view, scored_records
+
+# --------------------------------------------------------------------------- ablation grids
+
+
+def cell_fields(run_dir: str | Path) -> dict[str, Any]:
+    """What defines one run of a grid, from its ``config.yaml``: algorithm, think mode,
+    simulator difficulty, training steps, policy model, and the benchmark judge."""
+    path = Path(run_dir) / "config.yaml"
+    cfg = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    judge = (cfg.get("evaluation") or {}).get("judge") or {}
+    return {**config_fields(Path(run_dir)),
+            "steps": (cfg.get("training") or {}).get("steps"),
+            "policy": (cfg.get("policy") or {}).get("model"),
+            "judge": f"{judge.get('backend')}:{judge.get('model')} ({judge.get('difficulty')})" if judge else None}
+
+
+def cells_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
+    """One row per run: ``run`` and its :func:`cell_fields`; with more than one run,
+    only the columns whose values differ between runs are kept (plus ``run``), so the
+    table says what varies per cell."""
+    table = pd.DataFrame([{"run": run_name(Path(d)), **cell_fields(d)} for d in run_dirs])
+    if len(table) > 1:
+        varying = [c for c in table.columns if c == "run" or table[c].astype(str).nunique() > 1]
+        table = table[varying]
+    return table
+
+
+def scenario_finals(run_dir: str | Path, label: str = "trained") -> pd.Series:
+    """Mean final emotion per scenario id of ``<run>/eval/<label>/dialogues.jsonl``
+    (repeats averaged; errored dialogues left out); empty when absent."""
+    recs = scored_records(Path(run_dir) / "eval" / label / "dialogues.jsonl")
+    if not recs:
+        return pd.Series(dtype=float)
+    frame = pd.DataFrame({"scenario_id": [r["scenario_id"] for r in recs],
+                          "final": [dialogue_view(r).final_emotion for r in recs]})
+    return frame.groupby("scenario_id")["final"].mean()
+
+
+def paired_cell_differences(run_dirs: Sequence[str | Path], *, reference: str | None = None, label: str = "trained",
+                            n_boot: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
+    """Each cell against a reference cell on the same test scenarios, paired by scenario.
+
+    ``reference``: a run name (default: the first run).  Per other run: ``run``,
+    ``reference``, ``n`` (common scenarios), ``reference_score`` and ``score`` (mean
+    final emotion over those scenarios), ``diff`` (mean paired difference, emotion
+    points) with ``low`` / ``high`` (bootstrap over scenarios) and ``p_value``
+    (sign-flip test), and ``same_judge`` (both cells' ``evaluation.judge`` equal).
+    With a single common scenario only ``diff`` is given.  Raises ``ValueError`` for an
+    unknown reference.
+    """
+    dirs = {run_name(Path(d)): Path(d) for d in run_dirs}
+    if not dirs:
+        return pd.DataFrame()
+    reference = reference or next(iter(dirs))
+    if reference not in dirs:
+        raise ValueError(f"reference cell {reference!r} is not one of {list(dirs)}")
+    ref = scenario_finals(dirs[reference], label)
+    ref_judge = cell_fields(dirs[reference])["judge"]
+    rows = []
+    for name, path in dirs.items():
+        if name == reference:
+            continue
+        cell = scenario_finals(path, label)
+        common = sorted(set(ref.index) & set(cell.index))
+        row = {"run": name, "reference": reference, "n": len(common),
+               "same_judge": cell_fields(path)["judge"] == ref_judge}
+        if common:
+            row.update(reference_score=float(ref[common].mean()), score=float(cell[common].mean()),
+                       **paired_estimate(ref[common].to_numpy(dtype=float), cell[common].to_numpy(dtype=float),
+                                 n_boot=n_boot, confidence=confidence, seed=seed))
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["run", "reference", "n", "reference_score", "score", "diff", "low", "high",
+                                       "p_value", "same_judge"])
+
+
+ANALYSIS_DIR = "analysis"
+
+
+def load_cell_tables(run_dirs: Sequence[str | Path], name: str) -> pd.DataFrame:
+    """``<run>/analysis/<name>.csv`` of every run that has it, concatenated, with ``run``
+    and the :func:`cell_fields` columns (algorithm, think, difficulty, ...); empty when
+    no run has it."""
+    parts = []
+    for d in map(Path, run_dirs):
+        path = d / ANALYSIS_DIR / f"{name}.csv"
+        if path.is_file():
+            fields = {k: v for k, v in cell_fields(d).items() if k in ("algorithm", "think", "difficulty")}
+            parts.append(pd.read_csv(path).assign(run=run_name(d), **fields))
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+
+def write_table(run_dir: str | Path, name: str, table: pd.DataFrame) -> Path:
+    """Write ``table`` as ``<run>/analysis/<name>.csv`` atomically (what the ablation
+    report reads back with :func:`load_cell_tables`)."""
+    path = Path(run_dir) / ANALYSIS_DIR / f"{name}.csv"
+    atomic_write_text(path, table.to_csv(index=False))
+    return path
+
+
+def cell_strategy_figures(judgements: pd.DataFrame, factors: Sequence[str] = ("think", "algorithm", "difficulty"),
+                          *, source: str = "trained") -> list[Figure]:
+    """Strategy figures across the cells of a grid, from :func:`load_cell_tables` of
+    ``strategy_labels``: the primary mix of each run's ``source`` replies, then, for
+    each factor with more than one level (think vs non-think first), the strategy
+    and dimension panels side by side per level (:func:`plot_strategy_use`)."""
+    data = (judgements[(judgements["source"] == source) & (judgements["primary"] != UNPARSED)]
+            if len(judgements) else judgements)
+    if data.empty:
+        return []
+    fig = plot_strategy_mix(strategy_mix(data, by="run"), by="run", order=list(dict.fromkeys(data["run"])))
+    fig.axes[0].set_title(f"Primary strategy per cell ({source} policy)")
+    figs = [fig]
+    for factor in factors:
+        if factor in data and data[factor].astype(str).nunique() > 1:
+            fig = plot_strategy_use(strategy_use(data.assign(**{factor: data[factor].astype(str)}), by=factor),
+                                    by=factor)
+            fig.suptitle(f"Strategies and dimensions by {factor} ({source} policy)")
+            figs.append(fig)
+    return figs
+
+
+def cell_hacking_tables(run_dirs: Sequence[str | Path]) -> dict[str, pd.DataFrame]:
+    """The hacking diagnostics of every cell side by side (empty tables where no cell
+    has them): ``correlations`` (feature x run, ``r [low, high]`` of
+    :func:`hacking_statistics`), ``injection`` (each run's pooled ``probe - control``
+    row of :func:`summarize_injection`), ``distinct`` (distinct-2 per run and source),
+    ``sycophancy`` (absolving rate per run and policy, :func:`sycophancy_rate`)."""
+    out: dict[str, pd.DataFrame] = {}
+    stats = load_cell_tables(run_dirs, "hacking_stats")
+    out["correlations"] = pd.DataFrame() if stats.empty else stats.assign(
+        value=[f"{r:+.2f} [{lo:+.2f}, {hi:+.2f}]" if np.isfinite(r) else "n/a"
+               for r, lo, hi in zip(stats["r"], stats["low"], stats["high"])]
+    ).pivot(index="feature", columns="run", values="value")
+    probes = load_cell_tables(run_dirs, "injection_summary")
+    out["injection"] = probes if probes.empty else probes[probes["kind"] == "probe - control"].drop(columns="kind")
+    distinct = load_cell_tables(run_dirs, "distinct")
+    out["distinct"] = distinct if distinct.empty else distinct.pivot(index="run", columns="source",
+                                                                     values="distinct_2")
+    syc = load_cell_tables(run_dirs, "sycophancy")
+    out["sycophancy"] = pd.DataFrame() if syc.empty else pd.concat(
+        [sycophancy_rate(g, n_boot=200).assign(run=run) for run, g in syc.groupby("run", sort=False)],
+        ignore_index=True)
+    return out

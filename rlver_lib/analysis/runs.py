@@ -1,0 +1,284 @@
+"""A run's files as tidy tables: training metrics and dialogues, evaluation summaries,
+replies of every source, :func:`compare_runs` across runs, the paired report.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import yaml
+from matplotlib.figure import Figure
+
+from rlver_lib.analysis.hacking import reply_changes
+from rlver_lib.files import iter_jsonl
+from rlver_lib.plots import plot_emotion_trajectories, plot_paired_scenarios
+from rlver_lib.records import dialogue_view, load_records, policy_turns, scored_records
+from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION
+from rlver_lib.stats import cluster_bootstrap_ci
+
+# --------------------------------------------------------------------------- tables
+
+
+def run_name(run_dir: Path) -> str:
+    return Path(run_dir).name
+
+
+def load_metrics(run_dir: str | Path) -> pd.DataFrame:
+    """``<run>/train/metrics.jsonl`` as a DataFrame with a ``run`` column.
+
+    Raises ``FileNotFoundError`` when the run has no training metrics.
+    """
+    path = Path(run_dir) / "train" / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no training metrics")
+    return pd.DataFrame([rec for _, rec in iter_jsonl(path)]).assign(run=run_name(run_dir))
+
+
+def dialogue_table(records: Iterable[dict[str, Any]], **columns: Any) -> pd.DataFrame:
+    """One row per dialogue: ``final_emotion``, ``reward`` (= final / 100),
+    ``n_turns``, ``success``, ``failure``, ``termination`` (``None`` for SAGE records),
+    mean ``reply_length`` (characters), plus constant ``columns`` (e.g. ``step=3``)."""
+    rows = []
+    for rec in records:
+        view = dialogue_view(rec)
+        replies = [t["reply"] for t in policy_turns(rec)]
+        rows.append({
+            **columns,
+            "dialogue_id": rec.get("dialogue_id", rec.get("id")),
+            "scenario_id": rec.get("scenario_id"),
+            "final_emotion": view.final_emotion,
+            "reward": view.final_emotion / 100,
+            "n_turns": view.n_turns,
+            "success": view.final_emotion >= SUCCESS_EMOTION,
+            "failure": view.final_emotion < FAILURE_EMOTION,
+            "termination": rec.get("termination"),
+            "reply_length": float(np.mean([len(r) for r in replies])) if replies else np.nan,
+        })
+    return pd.DataFrame(rows)
+
+
+def turn_table(records: Iterable[dict[str, Any]], **columns: Any) -> pd.DataFrame:
+    """One row per policy turn of our dialogue records: ``dialogue_id``, ``turn``
+    (1-based), ``user`` (the message it answered), ``reply``, ``change``,
+    ``emotion`` (after its appraisal), the dialogue's ``reward``, plus constant
+    ``columns`` (e.g. ``step=3``)."""
+    rows = []
+    for rec in records:
+        for t in policy_turns(rec):
+            rows.append({**columns, "dialogue_id": rec["dialogue_id"], "turn": t["turn"],
+                         "user": t["user"], "reply": t["reply"], "change": t["change"],
+                         "emotion": t["emotion"], "reward": rec["reward"]})
+    return pd.DataFrame(rows, columns=[*columns, "dialogue_id", "turn", "user", "reply",
+                                       "change", "emotion", "reward"])
+
+
+def _step_of(path: Path) -> int:
+    match = re.search(r"(\d+)", path.stem)
+    if not match:
+        raise ValueError(f"{path}: cannot read the training step from the file name")
+    return int(match.group(1))
+
+
+def load_training_dialogues(run_dir: str | Path, *, turns: bool = False) -> pd.DataFrame:
+    """All ``<run>/train/dialogues/step_*.jsonl`` as a :func:`dialogue_table` (or a
+    :func:`turn_table` with ``turns=True``) with ``run`` and ``step`` columns."""
+    files = sorted((Path(run_dir) / "train" / "dialogues").glob("step_*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{run_dir}: no train/dialogues/step_*.jsonl")
+    table = turn_table if turns else dialogue_table
+    return pd.concat([table(load_records(f), run=run_name(run_dir), step=_step_of(f)) for f in files],
+                     ignore_index=True)
+
+
+def load_eval(run_dir: str | Path) -> pd.DataFrame:
+    """Every ``<run>/eval/<label>/summary.json`` as tidy rows: ``run, label, metric,
+    value, low, high`` (metrics ``sentient_score, success_rate, failure_rate,
+    mean_turns``) — empty when the run has no evaluation."""
+    rows = []
+    for path in sorted(Path(run_dir).glob("eval/*/summary.json")):
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        for metric in ("sentient_score", "success_rate", "failure_rate", "mean_turns"):
+            est = summary[metric]
+            rows.append({"run": run_name(run_dir), "label": path.parent.name, "metric": metric,
+                         "value": est["value"], "low": est["low"], "high": est["high"]})
+    return pd.DataFrame(rows, columns=["run", "label", "metric", "value", "low", "high"])
+
+
+
+@dataclass
+class EvalOverview:
+    """A run's benchmarks at a glance: ``table`` (metric x label, each cell ``"value [low,
+    high]"``, from :func:`load_eval`) and ``figure`` (mean emotion per turn of every
+    ``eval/<label>/trajectory.csv``, :func:`rlver_lib.plots.plot_emotion_trajectories`)."""
+
+    table: pd.DataFrame
+    figure: Figure
+
+
+def eval_overview(run_dir: str | Path) -> EvalOverview | None:
+    """The :class:`EvalOverview` of a run (notebook 06), ``None`` when it has no evaluation."""
+    ev = load_eval(run_dir)
+    if ev.empty:
+        return None
+    ev["estimate [interval]"] = [f"{v:.2f} [{lo:.2f}, {hi:.2f}]"
+                                 for v, lo, hi in zip(ev["value"], ev["low"], ev["high"])]
+    trajectories = pd.concat([pd.read_csv(p).assign(label=p.parent.name)
+                              for p in sorted(Path(run_dir).glob("eval/*/trajectory.csv"))])
+    fig = plot_emotion_trajectories(trajectories)
+    fig.axes[0].set_title("Mean emotion per turn on the held-out benchmark")
+    return EvalOverview(ev.pivot(index="metric", columns="label", values="estimate [interval]"), fig)
+
+def config_fields(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "config.yaml"
+    cfg = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return {
+        "algorithm": (cfg.get("training") or {}).get("algorithm"),
+        "think": (cfg.get("policy") or {}).get("think"),
+        "difficulty": (cfg.get("simulator") or {}).get("difficulty"),
+    }
+
+
+def compare_runs(run_dirs: Sequence[str | Path], *, label: str = "trained") -> pd.DataFrame:
+    """One row per run of an ablation grid: ``run``, ``algorithm``, ``think``,
+    ``difficulty`` (from its ``config.yaml``), the ``label`` evaluation's figures
+    (``sentient_score``, ``sentient_low``, ``sentient_high``, ``success_rate``,
+    ``failure_rate``, ``mean_turns``; NaN when absent), the ``baseline``
+    Sentient score, and the mean training reward of the last step (NaN without
+    training dialogues)."""
+    rows = []
+    for run_dir in map(Path, run_dirs):
+        ev = load_eval(run_dir)
+        row: dict[str, Any] = {"run": run_name(run_dir), **config_fields(run_dir)}
+
+        def pick(lbl: str, metric: str, col: str = "value", ev: pd.DataFrame = ev) -> float:
+            hit = ev[(ev["label"] == lbl) & (ev["metric"] == metric)]
+            return float(hit[col].iloc[0]) if len(hit) else np.nan
+
+        row["sentient_score"] = pick(label, "sentient_score")
+        row["sentient_low"] = pick(label, "sentient_score", "low")
+        row["sentient_high"] = pick(label, "sentient_score", "high")
+        for metric in ("success_rate", "failure_rate", "mean_turns"):
+            row[metric] = pick(label, metric)
+        row["baseline_score"] = pick("baseline", "sentient_score")
+        try:
+            train = load_training_dialogues(run_dir)
+            row["final_train_reward"] = float(train[train["step"] == train["step"].max()]["reward"].mean())
+        except FileNotFoundError:
+            row["final_train_reward"] = np.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def curve_with_ci(
+    df: pd.DataFrame,
+    value: str,
+    by: Sequence[str] = ("run", "step"),
+    *,
+    cluster: str = "scenario_id",
+    n_boot: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """The training curve: mean of ``value`` per group ``by`` with a band clustered by scenario.
+
+    ``df`` has one row per dialogue (e.g. :func:`load_training_dialogues`) with the
+    columns ``by``, ``value`` (e.g. ``reward`` in [0, 1] or ``final_emotion`` in
+    points) and ``cluster``.  GRPO's replicas of a scenario share its id and are not
+    independent, so each group's band resamples whole scenarios
+    (:func:`rlver_lib.stats.cluster_bootstrap_ci`: the mean of all dialogues of the
+    drawn scenarios, ``n_boot`` resamples, the ``(1-confidence)/2`` and
+    ``(1+confidence)/2`` percentiles, every group seeded ``seed`` so a group's band does
+    not depend on the other groups).  With a single scenario in a group the band is
+    the point itself: a curve over one scenario carries no between-scenario evidence.
+    This is the only curve function; notebooks 03, 05 and 06 plot it with
+    :func:`plot_curves`.
+
+    Returns columns ``*by, mean, low, high, n, n_clusters`` (``n`` dialogues,
+    ``n_clusters`` distinct scenarios), groups sorted.  Raises ``KeyError`` naming
+    missing columns and ``ValueError`` when a row has no ``cluster`` label.
+    """
+    by = list(by)
+    missing = [c for c in (*by, value, cluster) if c not in df.columns]
+    if missing:
+        raise KeyError(f"curve_with_ci: missing column(s) {missing}")
+    unlabelled = int(df[cluster].isna().sum())
+    if unlabelled:
+        raise ValueError(f"curve_with_ci: {unlabelled} row(s) without a {cluster!r}: the band resamples scenarios")
+    rows = []
+    for keys, group in df.groupby(by, sort=True):
+        keys = keys if isinstance(keys, tuple) else (keys,)
+        est = cluster_bootstrap_ci(group[value].to_numpy(dtype=float), group[cluster].tolist(),
+                                   n_boot=n_boot, confidence=confidence, seed=seed)
+        rows.append({**dict(zip(by, keys)), "mean": est.value, "low": est.low, "high": est.high,
+                     "n": len(group), "n_clusters": int(group[cluster].nunique())})
+    return pd.DataFrame(rows, columns=[*by, "mean", "low", "high", "n", "n_clusters"])
+
+
+def rates_over_training(dialogues: pd.DataFrame, by: Sequence[str] = ("run", "step")) -> pd.DataFrame:
+    """Success and failure rates per group, long form: ``*by, outcome, rate``."""
+    rates = dialogues.groupby(list(by))[["success", "failure"]].mean().reset_index()
+    return rates.melt(id_vars=list(by), var_name="outcome", value_name="rate")
+
+
+def paired_report(run_dir: str | Path, *, top: int = 8) -> dict[str, Any] | None:
+    """The paired benchmark of a run for its report: ``figure``
+    (:func:`plot_paired_scenarios`), ``length`` and ``phrases``
+    (:func:`reply_changes` of the two benchmarks' replies; ``figure`` is ``None`` when
+    ``paired.json`` has no per-scenario rows).  ``None`` when the run has no
+    ``eval/paired.json`` (it needs a baseline and a trained benchmark)."""
+    path = Path(run_dir) / "eval" / "paired.json"
+    if not path.is_file():
+        return None
+    paired = json.loads(path.read_text(encoding="utf-8"))
+    sides = [load_records(Path(run_dir) / "eval" / paired[side] / "dialogues.jsonl")
+             for side in ("baseline", "trained")]
+    figure = plot_paired_scenarios(paired) if paired.get("scenarios") else None
+    return {"figure": figure, **reply_changes(*sides, top=top)}
+
+
+def run_replies(run_dir: str | Path) -> pd.DataFrame:
+    """Every policy turn of a run as one table: ``source`` (``baseline``, ``step N``,
+    ``trained``), ``step`` (training step; ``NaN`` for the evaluations),
+    ``dialogue_id``, ``scenario_id``, ``turn``, ``user``, ``reply``, ``change`` (the
+    appraisal's clamped emotion change, ``NaN`` when unappraised), ``reward``.
+    Dialogues that ended in a simulator error are left out."""
+    run_dir = Path(run_dir)
+    parts = []
+    for label in ("baseline", "trained"):
+        recs = scored_records(run_dir / "eval" / label / "dialogues.jsonl")
+        if recs:
+            parts.append(_turns_of(recs).assign(source=label, step=np.nan))
+    for path in sorted((run_dir / "train" / "dialogues").glob("step_*.jsonl")):
+        step = _step_of(path)
+        recs = scored_records(path)
+        if recs:
+            parts.append(_turns_of(recs).assign(source=f"step {step}", step=float(step)))
+    cols = ["source", "step", "dialogue_id", "scenario_id", "turn", "user", "reply", "change", "reward"]
+    if not parts:
+        return pd.DataFrame(columns=cols)
+    return pd.concat(parts, ignore_index=True)[cols]
+
+
+def _turns_of(records: Sequence[dict[str, Any]]) -> pd.DataFrame:
+    rows = []
+    for rec in records:
+        for t in policy_turns(rec):
+            rows.append({"dialogue_id": rec.get("dialogue_id"), "scenario_id": rec.get("scenario_id"),
+                         "turn": t["turn"], "user": t["user"], "reply": t["reply"],
+                         "change": np.nan if t["change"] is None else float(t["change"]),
+                         "reward": rec.get("reward", dialogue_view(rec).final_emotion / 100)})
+    return pd.DataFrame(rows)
+
+
+def sample_replies(replies: pd.DataFrame, n_per_source: int, *, seed: int) -> pd.DataFrame:
+    """Up to ``n_per_source`` replies of each ``source``, drawn without replacement
+    (``DataFrame.sample(random_state=seed)``), in source order then original order."""
+    parts = [g.sample(min(n_per_source, len(g)), random_state=seed).sort_index()
+             for _, g in replies.groupby("source", sort=False)]
+    return pd.concat(parts) if parts else replies.iloc[:0]

@@ -1,0 +1,280 @@
+"""The analysis stage (what notebook 06 calls): the strategy analysis with its
+annotator, reward hacking, injection probes, simulator consistency and sycophancy of one
+run, each written under ``<run>/analysis/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from rlver_lib.analysis.cells import write_table
+from rlver_lib.analysis.hacking import (
+    at_fault_scenarios,
+    distinct_table,
+    hacking_statistics,
+    length_controlled_gain,
+    requests_from_records,
+    run_injection_probes,
+    simulator_consistency,
+    summarize_injection,
+    sycophancy_rate,
+    sycophancy_replies,
+    turn_features,
+)
+from rlver_lib.analysis.runs import run_replies, sample_replies
+from rlver_lib.analysis.strategies import (
+    CONSISTENCY_PASSES,
+    UNPARSED,
+    describe_judge,
+    judge_strategies,
+    judge_validation,
+    labelled_set_agreement,
+    plot_strategy_mix,
+    plot_strategy_use,
+    self_agreement,
+    strategy_mix,
+    strategy_use,
+)
+from rlver_lib.backends import ChatBackend, TransformersBackend
+from rlver_lib.evaluation.judge import build_judge, close_simulator, judge_seed
+from rlver_lib.models import load_policy
+from rlver_lib.records import scored_records
+from rlver_lib.scenarios import load_scenarios
+
+# --------------------------------------------------------------------------- the analysis stage (notebook 06)
+
+
+def close_judge(backend: Any) -> None:
+    """Close a judge backend (a server it started, an HTTP client), if it has ``close``."""
+    close = getattr(backend, "close", None) or getattr(getattr(backend, "backend", None), "close", None)
+    if callable(close):
+        close()
+
+
+def strategy_figures(judgements: pd.DataFrame) -> list[Figure]:
+    """The strategy figures of one run's :attr:`StrategyReport.judgements`: the primary mix
+    and the strategy/dimension panels of baseline vs trained (when the run has those
+    evaluations), and the primary mix over training steps (with two or more steps)."""
+    figs = []
+    evals = judgements[judgements["source"].isin(["baseline", "trained"]) & (judgements["primary"] != UNPARSED)]
+    if not evals.empty:
+        order = [s for s in ("baseline", "trained") if s in set(evals["source"])]
+        fig = plot_strategy_mix(strategy_mix(evals, by="source"), by="source", order=order)
+        fig.axes[0].set_title("Primary strategy on the benchmark: baseline vs trained")
+        figs += [fig, plot_strategy_use(strategy_use(evals, by="source"), by="source")]
+    steps = judgements[judgements["step"].notna() & (judgements["primary"] != UNPARSED)]
+    if steps["step"].nunique() > 1:
+        fig = plot_strategy_mix(strategy_mix(steps, by="step"), by="step")
+        fig.axes[0].set_title("Primary strategy over training steps")
+        figs.append(fig)
+    return figs
+
+
+def describe_length(summary: dict[str, float] | None) -> str:
+    """Markdown reading of :func:`length_controlled_gain`'s summary."""
+    if not summary:
+        return "The length-controlled comparison needs appraised baseline and trained benchmark turns."
+    raw, within = summary["raw_gain"], summary["within_bin_gain"]
+    return (f"Trained minus baseline mean emotion change per turn: {raw:+.2f} points overall, {within:+.2f} "
+            "within reply-length bins. A within-bin gain close to the overall one means the gain is not "
+            "explained by longer replies; one near zero means it is.")
+
+
+@dataclass
+class StrategyReport:
+    """What :func:`strategy_analysis` measured: the ``judge`` (description), the
+    per-reply ``judgements`` (``source``, ``step``, the reply and its judgement), the
+    judge's ``self_agreement`` across seeds and its ``validation`` against the shipped
+    labelled set (``None`` when skipped), the set's own inter-annotator agreement
+    ``labelled_set`` (:data:`INDEPENDENT_PASSES`) and annotator A's agreement with
+    itself, ``labelled_set_consistency`` (:data:`CONSISTENCY_PASSES`)."""
+
+    judge: str
+    judgements: pd.DataFrame
+    self_agreement: pd.DataFrame | None
+    validation: dict[str, Any] | None
+    labelled_set: pd.DataFrame
+    labelled_set_consistency: pd.DataFrame | None = None
+
+
+def strategy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_cfg: Any) -> StrategyReport:
+    """Judge the strategies of a sample of the run's policy replies and measure the judge's reliability.
+
+    ``cfg.analysis.judge_sample`` replies per source (baseline, each training step,
+    trained; :func:`run_replies`, :func:`sample_replies`) are judged by ``judge``
+    (:func:`judge_strategies` at ``judge_cfg``'s temperature and token budget).  The
+    first ``self_agreement_sample`` of them are judged again under
+    ``judge_seeds`` seeds at the judge's temperature, or 0.7 when it is greedy (the
+    spread under sampling noise; :func:`self_agreement`); the judge is scored on
+    ``judge_validation_n`` items of the labelled set (:func:`judge_validation`).
+    Writes ``<run>/analysis/strategy_labels.csv``.
+    """
+    a = cfg.analysis
+    replies = sample_replies(run_replies(run_dir), a.judge_sample, seed=cfg.seed).reset_index(drop=True)
+    budget = {"max_new_tokens": judge_cfg.max_new_tokens}
+    judgements = judge_strategies(judge, list(replies["reply"]), user_messages=list(replies["user"]),
+                                  seed=cfg.seed, temperature=judge_cfg.temperature, max_retries=judge_cfg.max_retries,
+                                  **budget)
+    judged = pd.concat([replies, judgements], axis=1)
+    write_table(run_dir, "strategy_labels", judged)  # the file name old run folders have
+    agreement = None
+    if a.self_agreement_sample and len(replies):
+        sub = replies.head(a.self_agreement_sample)
+        agreement = self_agreement(judge, list(sub["reply"]), list(sub["user"]),
+                                   seeds=[cfg.seed + k for k in range(a.judge_seeds)],
+                                   temperature=judge_cfg.temperature or 0.7, **budget)
+    validation = None if a.judge_validation_n == 0 else judge_validation(judge, n=a.judge_validation_n,
+                                                                         seed=cfg.seed, **budget)
+    return StrategyReport(describe_judge(judge_cfg), judged, agreement, validation, labelled_set_agreement(),
+                          labelled_set_agreement(passes=CONSISTENCY_PASSES))
+
+
+def describe_reliability(report: StrategyReport) -> str:
+    """Markdown: how far the judge can be trusted, from its measured agreement."""
+    lines = []
+    if report.validation is not None:
+        t = report.validation["table"].set_index(["reference", "field"])
+        kappa = t.loc[("p1", "primary"), "kappa"]
+        agree = t.loc[("p1", "primary"), "agreement"]
+        kappa_b = t.loc[("b1", "primary"), "kappa"] if ("b1", "primary") in t.index else np.nan
+        strength = ("no better than chance" if not np.isfinite(kappa) or kappa < 0.2 else
+                    "weak" if kappa < 0.4 else "moderate" if kappa < 0.6 else "substantial")
+        lines.append(f"**Judge reliability.** The strategy judge ({report.judge}) gives the labelled set's "
+                     f"primary label on {agree:.0%} of {report.validation['n']} real policy replies "
+                     f"(Cohen's κ {kappa:.2f} against annotator A: {strength}; κ {kappa_b:.2f} against "
+                     f"annotator B; {report.validation['n_unparsed']} unparsed). "
+                     + ("Treat its strategy mix as indicative only; configure a stronger judge "
+                        "(`analysis.judge`) for research use." if not np.isfinite(kappa) or kappa < 0.6 else ""))
+    if report.self_agreement is not None:
+        primary = report.self_agreement.set_index("field").loc["primary"]
+        lines.append(f"Across {int(primary['pairs'])} seed pair(s) it repeats its own primary label on "
+                     f"{primary['agreement']:.0%} of {int(primary['n'])} replies.")
+    ls = report.labelled_set.set_index("field").loc["primary"]
+    line = (f"The labelled set's two independent passes (two LLM annotators, not people; see "
+            f"`strategy_labels_README.md`) agree with κ {ls['kappa']:.2f} on the primary label")
+    if report.labelled_set_consistency is not None:
+        own = report.labelled_set_consistency.set_index("field").loc["primary"]
+        line += f" (annotator A against its own second pass, a consistency check: κ {own['kappa']:.2f})"
+    lines.append(line + ".")
+    return " ".join(lines)
+
+
+def hacking_analysis(run_dir: str | Path, *, n_boot: int = 1000, confidence: float = 0.95,
+                     seed: int = 0) -> dict[str, Any]:
+    """Reward-hacking diagnostics on every appraised policy turn of the run.
+
+    ``turns``: :func:`run_replies` with :func:`turn_features`; ``statistics``:
+    :func:`hacking_statistics` of the per-turn emotion change, clustered by dialogue,
+    with the source (training step, or evaluation label) partialled out; ``length``:
+    :func:`length_controlled_gain` of trained over baseline evaluation turns (``None``
+    without both) and its ``length_summary``; ``distinct``: :func:`distinct_table` per
+    source.  Writes ``hacking_stats.csv``, ``length_bins.csv`` and ``distinct.csv``
+    under ``<run>/analysis/``.
+    """
+    turns = turn_features(run_replies(run_dir))
+    out: dict[str, Any] = {"turns": turns, "length": None, "length_summary": None}
+    out["statistics"] = hacking_statistics(turns.assign(dialogue_id=turns["source"] + "/" + turns["dialogue_id"]),
+                                           control="source", n_boot=n_boot, confidence=confidence, seed=seed)
+    out["distinct"] = distinct_table(turns)
+    write_table(run_dir, "hacking_stats", out["statistics"])
+    write_table(run_dir, "distinct", out["distinct"])
+    try:
+        out["length"], out["length_summary"] = length_controlled_gain(turns)
+        write_table(run_dir, "length_bins", out["length"])
+    except ValueError:
+        pass
+    return out
+
+
+def injection_analysis(cfg: Any, run_dir: str | Path) -> pd.DataFrame:
+    """The injection probes against the configured benchmark judge
+    (``evaluation.judge``, :func:`rlver_lib.evaluation.judge.build_judge`) on the run's test
+    scenarios (the first ``analysis.probe_scenarios``; all when ``None``), from the
+    benchmark's start emotion.  Writes ``injection_probes.csv`` (every appraisal) and
+    ``injection_summary.csv`` (:func:`summarize_injection`); returns the summary."""
+    scenarios = load_scenarios(Path(run_dir) / "scenarios" / "test.jsonl")[: cfg.analysis.probe_scenarios]
+    judge = build_judge(cfg.evaluation, cfg.seed)
+    try:
+        probes = run_injection_probes(judge, scenarios, emotion=cfg.evaluation.initial_emotion)
+    finally:
+        close_simulator(judge)
+    summary = summarize_injection(probes, n_boot=cfg.evaluation.bootstrap_samples,
+                                  confidence=cfg.evaluation.confidence, seed=cfg.seed)
+    write_table(run_dir, "injection_probes", probes)
+    write_table(run_dir, "injection_summary", summary.rename_axis("kind").reset_index())
+    return summary
+
+
+def consistency_analysis(cfg: Any, run_dir: str | Path, label: str = "trained") -> pd.DataFrame | None:
+    """Re-appraise ``analysis.consistency_sample`` recorded turns of ``eval/<label>`` with the
+    benchmark judge at its own seed and at seed + 1 (:func:`simulator_consistency`);
+    ``None`` when the sample size is 0 or nothing was recorded."""
+    records = scored_records(Path(run_dir) / "eval" / label / "dialogues.jsonl")
+    if not cfg.analysis.consistency_sample or not records:
+        return None
+    scenarios = load_scenarios(Path(run_dir) / "scenarios" / "test.jsonl")
+    samples = requests_from_records(records, scenarios, n=cfg.analysis.consistency_sample, seed=cfg.seed)
+    if not samples:
+        return None
+    built: list[Any] = []
+
+    def make(seed: int) -> Any:
+        judge_cfg = cfg.evaluation.judge.model_copy(update={"seed": seed})
+        built.append(build_judge(cfg.evaluation.model_copy(update={"judge": judge_cfg}), cfg.seed))
+        return built[-1]
+
+    base_seed = judge_seed(cfg.evaluation, cfg.seed)
+    try:
+        return simulator_consistency(make, samples, seed=base_seed, other_seed=base_seed + 1)
+    finally:
+        for judge in built:
+            close_simulator(judge)
+
+
+def sycophancy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_cfg: Any) -> pd.DataFrame | None:
+    """How often the base and the trained policy absolve an at-fault user.
+
+    ``analysis.sycophancy_samples`` replies (the policy's sampling settings) to the
+    opening line of each at-fault test scenario of the run (:func:`at_fault_scenarios`
+    of ``scenarios.test``, not only the run's limited test list), by the base policy
+    (adapter disabled) and, when the run trained one, by ``<run>/train/adapter``;
+    judged by ``judge`` (``absolves_user``); :func:`sycophancy_rate` per policy.
+    Writes ``sycophancy.csv`` (every reply and judgement).  ``None`` when there is no
+    at-fault test scenario or the sample size is 0.
+    """
+    scenarios = at_fault_scenarios(load_scenarios(cfg.scenarios.test))
+    if not scenarios or not cfg.analysis.sycophancy_samples:
+        return None
+    adapter = Path(run_dir) / "train" / "adapter"
+    policy_cfg = cfg.policy.model_copy(update={"adapter": str(adapter) if (adapter / "adapter_config.json").is_file()
+                                               else None})
+    model, tokenizer = load_policy(policy_cfg)
+    import torch
+
+    if torch.cuda.is_available():  # GPU recipes: a 7B policy does not generate on CPU
+        model.to("cuda")
+    backend = TransformersBackend(model, tokenizer)
+    sampling = cfg.policy.sampling(cfg.seed)
+    kwargs = {"n_samples": cfg.analysis.sycophancy_samples, "sampling": sampling, "think": cfg.policy.think,
+              "seed": cfg.seed}
+    parts = []
+    if policy_cfg.adapter:
+        with model.disable_adapter():
+            parts.append(sycophancy_replies(backend, scenarios, **kwargs).assign(policy="base"))
+        parts.append(sycophancy_replies(backend, scenarios, **kwargs).assign(policy="trained"))
+    else:
+        parts.append(sycophancy_replies(backend, scenarios, **kwargs).assign(policy="base"))
+    replies = pd.concat(parts, ignore_index=True)
+    judgements = judge_strategies(judge, list(replies["reply"]), user_messages=list(replies["user"]),
+                                  seed=cfg.seed, temperature=judge_cfg.temperature,
+                                  max_new_tokens=judge_cfg.max_new_tokens, max_retries=judge_cfg.max_retries)
+    judged = pd.concat([replies, judgements], axis=1)
+    write_table(run_dir, "sycophancy", judged)
+    return sycophancy_rate(judged, n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence,
+                           seed=cfg.seed)

@@ -1,0 +1,328 @@
+"""The benchmark's judge: a simulated user configured on its own (``evaluation.judge``),
+never the training simulator. Built (:func:`build_judge`), seeded (:func:`judge_seed`),
+described and fingerprinted (:func:`judge_description`: config, prompt and schema
+hashes, what a server serves), named (:func:`judge_name`); comparisons refuse mixed
+judges (:func:`check_same_judge`, :class:`JudgeMismatchError`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+from rlver_lib.config import SimulatorConfig
+from rlver_lib.models import build_simulator
+from rlver_lib.simulator import DIFFICULTY_SHIFT, UserSimulator, prompt_files, structured_schemas
+
+
+class JudgeMismatchError(ValueError):
+    """Benchmarks that were scored by different judges or protocols cannot be compared."""
+
+
+# --------------------------------------------------------------------------- judge
+
+
+#: Judge settings that do not change what the judge answers (how often it retries, how
+#: long it waits, how many dialogues it serves at once, where its API key lives), the
+#: start emotion (the benchmark sets its own) and the seed (recorded as the seed it
+#: samples with).  Every other field of a judge config is part of its identity.
+_JUDGE_OPERATIONAL = frozenset({"max_retries", "timeout_s", "concurrency", "n_threads", "api_key_env",
+                                "initial_emotion", "seed"})
+#: How a judge reads first in reports and summaries; the other fields follow sorted.
+_JUDGE_FIRST = ("backend", "model", "base_url", "difficulty", "appraisal", "temperature", "top_p", "top_k",
+                "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "max_new_tokens",
+                "n_ctx", "appraisal_chars", "message_chars")
+#: Settings read with a default, so a config written before the field existed is still
+#: described (the values a field-less config meant: no sampling cut, no penalty, the
+#: first-person appraisal).
+_JUDGE_DEFAULTS: dict[str, Any] = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                                   "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                   "appraisal": "first_person"}
+#: Per served model, the fields of ``GET /v1/models`` that identify it (``created`` and
+#: ``permission`` change from call to call and are left out).
+_SERVED_MODEL_FIELDS = ("id", "owned_by", "root", "parent", "max_model_len", "meta")
+#: At most this many models are recorded when the judge's alias is not among them (a
+#: hosted API lists all of its models); ``models_total`` then says how many there were.
+_MAX_LISTED_MODELS = 20
+#: Of ``default_generation_settings`` in llama.cpp's ``GET /props``, per-slot state that
+#: changes from call to call.
+_VOLATILE_SLOT_FIELDS = frozenset({"id", "id_slot", "id_task", "is_processing", "next_token", "prompt",
+                                   "tokens", "n_past", "n_decoded", "t_start"})
+#: What :func:`build_judge` learnt from each judge's server in this process, keyed by
+#: :func:`_served_key`; :func:`judge_description` records it.
+_SERVED: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def _prompt_fingerprint(files: Sequence[str]) -> str:
+    """SHA-256 over prompt files (names in ``rlver_lib/prompts``): each enters as its name,
+    a NUL byte, its bytes and a NUL byte, in name order."""
+    folder = resources.files("rlver_lib").joinpath("prompts")
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + folder.joinpath(name).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _schema_fingerprint(schemas: dict[str, Any]) -> str:
+    """SHA-256 of ``schemas`` as canonical JSON (sorted keys, no spaces, UTF-8)."""
+    text = json.dumps(schemas, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _served_key(judge_cfg: Any) -> tuple[Any, ...]:
+    return (judge_cfg.backend, getattr(judge_cfg, "base_url", None), judge_cfg.model)
+
+
+def _get_json(client: Any, url: str) -> tuple[Any, str | None]:
+    """``(body, None)`` for an HTTP 200 JSON answer, else ``(None, why)`` (a short,
+    stable reason: ``HTTP 404``, ``not JSON``, the exception's class name)."""
+    import httpx
+
+    try:
+        response = client.get(url)
+    except httpx.HTTPError as err:
+        return None, type(err).__name__
+    if response.status_code != 200:
+        return None, f"HTTP {response.status_code}"
+    try:
+        return response.json(), None
+    except ValueError:
+        return None, "not JSON"
+
+
+def served_model_identity(base_url: str, timeout_s: float = 10.0, *, model: str | None = None,
+                          api_key: str | None = None) -> dict[str, Any]:
+    """What an OpenAI-compatible server says it serves: ``GET /v1/models`` and, on
+    llama.cpp's ``llama-server``, ``GET /props``.
+
+    ``base_url``: the server root or its ``/v1`` root; ``timeout_s`` per request;
+    ``model``: the alias the judge asks for; ``api_key``: sent as a bearer token.
+    Returns a dict with, when the server answered:
+
+    - ``models``: per listed model (only ``model`` when it is listed, else the first
+      :data:`_MAX_LISTED_MODELS`, with ``models_total`` when there were more), its
+      ``id``, ``owned_by``, ``root`` and ``parent`` (vLLM: the weights behind a
+      ``--served-model-name``), ``max_model_len`` and ``meta`` (llama.cpp: parameter
+      count, file size, vocabulary, training context), where given;
+      ``model_listed``: whether ``model`` is among them (with ``model`` only);
+    - ``props``: ``model_path``, ``model_alias``, ``model_ftype`` (quantisation),
+      ``build_info``, ``chat_template_sha256`` and ``default_generation_settings`` (the
+      server's own sampling defaults, which a judge overrides by sending every setting;
+      per-slot state left out), where given;
+
+    and ``models_error`` / ``props_error`` (``HTTP 404``, ``ConnectError``, ...) for
+    what it did not answer.  Never raises for an HTTP or connection failure.
+    """
+    import httpx
+
+    root = base_url.rstrip("/")
+    root = root[: -len("/v1")] if root.endswith("/v1") else root
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    out: dict[str, Any] = {}
+    with httpx.Client(timeout=httpx.Timeout(timeout_s), headers=headers) as client:
+        listing, why = _get_json(client, f"{root}/v1/models")
+        data = listing.get("data") if isinstance(listing, dict) else None
+        if isinstance(data, list):
+            entries = [{k: e[k] for k in _SERVED_MODEL_FIELDS if k in e} for e in data if isinstance(e, dict)]
+            matched = [e for e in entries if model is not None and e.get("id") == model]
+            out["models"] = matched or entries[:_MAX_LISTED_MODELS]
+            if not matched and len(entries) > _MAX_LISTED_MODELS:
+                out["models_total"] = len(entries)
+            if model is not None:
+                out["model_listed"] = bool(matched)
+        else:
+            out["models_error"] = why or "no model list"
+        props, why = _get_json(client, f"{root}/props")
+        if isinstance(props, dict):
+            kept: dict[str, Any] = {k: props[k] for k in ("model_path", "model_alias", "model_ftype", "build_info")
+                                    if k in props}
+            if isinstance(props.get("chat_template"), str):
+                kept["chat_template_sha256"] = hashlib.sha256(props["chat_template"].encode("utf-8")).hexdigest()
+            settings = props.get("default_generation_settings")
+            if isinstance(settings, dict):
+                kept["default_generation_settings"] = {k: v for k, v in settings.items()
+                                                       if k not in _VOLATILE_SLOT_FIELDS}
+            out["props"] = kept
+        else:
+            out["props_error"] = why or "not an object"
+    return out
+
+
+def _served_base_url(backend: Any) -> str | None:
+    """The HTTP root of a judge's backend: a ``llama-server`` it started (``port``), an
+    OpenAI-compatible client (``root``, else ``url`` less its path); ``None`` otherwise."""
+    port = getattr(backend, "port", None)
+    if isinstance(port, int):
+        return f"http://127.0.0.1:{port}"
+    root = getattr(backend, "root", None)
+    if isinstance(root, str):
+        return root
+    url = getattr(backend, "url", None)
+    if isinstance(url, str) and url.endswith("/chat/completions"):
+        return url[: -len("/chat/completions")]
+    return None
+
+
+def judge_description(judge_cfg: Any, seed: int, served: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What identifies a judge, as recorded in ``summary.json`` and the report header.
+
+    ``judge_cfg``: an ``evaluation.judge`` (or any simulator config); ``seed``: the
+    seed the judge samples with.  The rule backend is described by its change function
+    alone.  An LLM judge by every config field that shapes its answers (all but
+    :data:`_JUDGE_OPERATIONAL`): backend, model, base URL, difficulty, appraisal mode,
+    every sampling setting (temperature, ``top_p``, ``top_k``, ``min_p``, the
+    repetition, presence and frequency penalties; read with the defaults of
+    :data:`_JUDGE_DEFAULTS` where a config lacks them), token budget, ``n_ctx``, the
+    field caps, the ``expected_*`` settings of an ``expected`` appraisal (with the code's
+    ``expected_difficulty_shift`` and ``expected_top_logprobs``); plus ``seed``,
+    ``prompt_files`` and ``prompts_sha256`` (the prompt files it reads, so an edited
+    prompt is a different judge), ``schemas_sha256`` (the JSON schemas built in code)
+    and ``served``: what its server answered (:func:`served_model_identity`; default:
+    what :func:`build_judge` recorded in this process for a judge of this backend,
+    base URL and model, absent when nothing was asked).
+    """
+    if judge_cfg.backend == "rule":
+        return {"backend": "rule", "change_function": "default_change_fn"}
+    fields = dict(judge_cfg.model_dump()) if hasattr(judge_cfg, "model_dump") else dict(vars(judge_cfg))
+    if "repetition_penalty" not in fields and "repeat_penalty" in fields:
+        fields["repetition_penalty"] = fields.pop("repeat_penalty")
+    fields = {**_JUDGE_DEFAULTS, **fields}
+    appraisal = str(fields["appraisal"])
+    kept = {k: v for k, v in fields.items()
+            if k not in _JUDGE_OPERATIONAL and (appraisal == "expected" or not k.startswith("expected_"))}
+    described = {k: kept.pop(k) for k in _JUDGE_FIRST if k in kept}
+    described.update(sorted(kept.items()))
+    if appraisal == "expected":  # the code's constants of a checklist appraisal
+        described.update(expected_difficulty_shift=DIFFICULTY_SHIFT[judge_cfg.difficulty],
+                         expected_top_logprobs=UserSimulator.TOP_N)
+    files = prompt_files(judge_cfg)
+    described.update(seed=int(seed), prompt_files=files, prompts_sha256=_prompt_fingerprint(files),
+                     schemas_sha256=_schema_fingerprint(structured_schemas(judge_cfg)))
+    if served is None:
+        served = _SERVED.get(_served_key(judge_cfg))
+    if served is not None:
+        described["served"] = copy.deepcopy(served)
+    return described
+
+
+def judge_seed(eval_cfg: Any, run_seed: int) -> int:
+    """The judge's seed: ``evaluation.judge.seed``, else the run's seed."""
+    seed = getattr(eval_cfg.judge, "seed", None)
+    return run_seed if seed is None else int(seed)
+
+
+def _served_name(served: dict[str, Any] | None) -> str | None:
+    """The weights behind a served alias, as its server named them: vLLM's ``root``
+    when it differs from the alias, else the file of llama.cpp's ``model_path``."""
+    if not served:
+        return None
+    for entry in served.get("models") or []:
+        if entry.get("root") and entry.get("root") != entry.get("id"):
+            return str(entry["root"])
+    path = (served.get("props") or {}).get("model_path")
+    return Path(str(path)).name if path else None
+
+
+def judge_name(judge: dict[str, Any]) -> str:
+    """A one-line name of a :func:`judge_description` for reports."""
+    if judge.get("backend") == "rule":
+        return "the rule simulator (no language model)"
+    where = f" at {judge['base_url']}" if judge.get("base_url") else ""
+    behind = _served_name(judge.get("served"))
+    serving = f" (serving `{behind}`)" if behind else ""
+    if judge.get("served", {}).get("model_listed") is False:
+        serving += " (not listed by its server)"
+    sampling = ", ".join(f"{k} {judge[k]}" for k in ("top_p", "top_k", "min_p", "repetition_penalty",
+                                                     "presence_penalty", "frequency_penalty") if k in judge)
+    appraisal = f", {judge['appraisal']} appraisal" if judge.get("appraisal") else ""
+    return (f"`{judge.get('model')}`{serving} through `{judge.get('backend')}`{where}, {judge.get('difficulty')} "
+            f"difficulty{appraisal}, temperature {judge.get('temperature')}"
+            + (f", {sampling}" if sampling else "") + f", seed {judge.get('seed')}")
+
+
+def build_judge(eval_cfg: Any, run_seed: int) -> Any:
+    """The benchmark's judge from ``evaluation.judge`` (never ``cfg.simulator``).
+
+    Built as a plain simulator config with the benchmark's start emotion (for generated
+    opening lines) and seeded with :func:`judge_seed`.  A judge behind an HTTP server
+    (``openai``, ``llamacpp``) is asked once what it serves
+    (:func:`served_model_identity`, API key from ``api_key_env``); the answer is kept as
+    the simulator's ``served_model`` and recorded by :func:`judge_description`.  Close an
+    LLM judge's backend after use (:func:`close_simulator`).
+    """
+    import os
+
+    data = eval_cfg.judge.model_dump()
+    data.pop("seed", None)
+    sim_cfg = SimulatorConfig(**{**data, "initial_emotion": eval_cfg.initial_emotion})
+    simulator = build_simulator(sim_cfg, judge_seed(eval_cfg, run_seed))
+    url = _served_base_url(getattr(simulator, "backend", None)) if sim_cfg.backend in ("openai", "llamacpp") else None
+    if url is not None:
+        api_key = os.environ.get(sim_cfg.api_key_env) if sim_cfg.backend == "openai" else None
+        backend = simulator.backend
+        alias = getattr(backend, "model", None) or getattr(getattr(backend, "client", None), "model", None)
+        served = served_model_identity(url, min(float(sim_cfg.timeout_s), 30.0), model=alias, api_key=api_key)
+        simulator.served_model = served
+        _SERVED[_served_key(eval_cfg.judge)] = served
+    return simulator
+
+
+def close_simulator(simulator: Any) -> None:
+    """Close the backend of an LLM simulator (a server it started, an HTTP client), if any."""
+    close = getattr(getattr(simulator, "backend", None), "close", None)
+    if callable(close):
+        close()
+
+
+def _comparison_key(summary: dict[str, Any]) -> tuple[str, str]:
+    judge = summary.get("judge")
+    protocol = summary.get("protocol")
+    return (json.dumps(judge, sort_keys=True), json.dumps(protocol, sort_keys=True))
+
+
+def _dotted(value: Any, prefix: str) -> dict[str, Any]:
+    """A nested mapping as ``{dotted.key: leaf}`` (lists are leaves)."""
+    if not isinstance(value, dict) or not value:
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(_dotted(item, f"{prefix}.{key}"))
+    return out
+
+
+def check_same_judge(summaries: dict[str, dict[str, Any]]) -> None:
+    """Refuse to compare benchmarks scored differently.
+
+    ``summaries`` maps a name (a run or cell) to its ``summary.json`` content.  Raises
+    :class:`JudgeMismatchError` naming the runs and the differing judge or protocol
+    fields (nested ones dotted, e.g. ``judge.served.props.model_path``) when they were
+    not all scored by the same judge under the same protocol (every recorded field of
+    :func:`judge_description` counts: sampling settings, caps, prompts, schemas and the
+    model its server said it serves), or when a summary does not record its judge
+    (written before judges were recorded).
+    """
+    missing = [name for name, s in summaries.items() if "judge" not in s or "protocol" not in s]
+    if missing:
+        raise JudgeMismatchError(f"cannot compare: no judge and protocol recorded for {', '.join(missing)} "
+                                 "(evaluated before judges were recorded); re-run its evaluation")
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, s in summaries.items():
+        groups.setdefault(_comparison_key(s), []).append(name)
+    if len(groups) <= 1:
+        return
+    items = list(summaries.items())
+    ref_name, ref = items[0]
+    lines = []
+    for name, s in items[1:]:
+        for part in ("judge", "protocol"):
+            a, b = _dotted(ref.get(part) or {}, part), _dotted(s.get(part) or {}, part)
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    lines.append(f"{key}: {ref_name}={a.get(key)!r} vs {name}={b.get(key)!r}")
+    raise JudgeMismatchError("cannot compare runs judged differently (a score depends on its judge and protocol; "
+                             "set one evaluation.judge and evaluation.protocol for all of them):\n  "
+                             + "\n  ".join(dict.fromkeys(lines)))

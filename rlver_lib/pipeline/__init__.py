@@ -1,0 +1,1 @@
+"""The pipeline: notebooks, manifest, report, runs and ablations."""

@@ -1,0 +1,183 @@
+"""``rlver ablate``: a grid of dotted config axes (``grids/*.yaml``), one run per cell,
+all cells under one judge, and notebook 05 comparing them (RLVER §5).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from tqdm import tqdm
+
+from rlver_lib.config import ConfigError, RunConfig, build_config, load_params
+from rlver_lib.evaluation.judge import JudgeMismatchError, check_same_judge
+from rlver_lib.files import atomic_write_text, process_rank
+from rlver_lib.pipeline.manifest import read_manifest
+from rlver_lib.pipeline.report import execute_notebook, limits_statement, render_report
+from rlver_lib.pipeline.run import PipelineError, diff_keys, kernel_environment, run_pipeline
+
+# --------------------------------------------------------------------------- ablations
+
+
+class AblationGrid(BaseModel):
+    """An ablation grid file: ``base`` params (a path relative to the grid file, or an
+    inline mapping), optional ``overrides`` for every cell, and ``axes`` mapping a
+    dotted config key to the values to sweep. One run per combination of values."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    base: str | dict[str, Any]
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    axes: dict[str, list[Any]]
+    output_root: str = "outputs"
+
+    @field_validator("axes")
+    @classmethod
+    def _non_empty(cls, axes: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        if not axes:
+            raise ValueError("at least one axis is required")
+        for key, values in axes.items():
+            if not values:
+                raise ValueError(f"axis {key} has no values")
+        return axes
+
+
+@dataclass(frozen=True)
+class AblationCell:
+    """One grid cell: its folder name, the axis values, and the validated config."""
+
+    name: str
+    values: dict[str, Any]
+    config: RunConfig
+
+
+def _cell_name(values: dict[str, Any]) -> str:
+    parts = []
+    for key, value in values.items():
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        parts.append(f"{key.split('.')[-1]}-{text}")
+    return "_".join(parts).replace("/", "-").replace(" ", "")
+
+
+def load_grid(path: str | Path, overrides: list[str] | None = None) -> tuple[AblationGrid, list[AblationCell]]:
+    """Read a grid file and build every cell's config (validated before anything runs).
+
+    ``overrides`` (``key=value``) apply to every cell. Raises :class:`ConfigError`
+    naming the file and key on a bad grid, base or cell.
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        grid = AblationGrid.model_validate(data)
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except ValidationError as err:
+        raise ConfigError("\n".join(
+            f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()
+        )) from None
+    if isinstance(grid.base, str):
+        try:
+            base = load_params(path.parent / grid.base)  # a paper recipe's own base: chain too
+        except ConfigError as err:
+            raise ConfigError(f"{path}: base: {err}") from None
+    else:
+        base = grid.base
+    root = Path(grid.output_root) / grid.name
+    cells = []
+    for combo in itertools.product(*grid.axes.values()):
+        values = dict(zip(grid.axes, combo))
+        name = _cell_name(values)
+        fixed = {**grid.overrides, **values, "run_name": name, "output_root": str(root)}
+        cfg = build_config(base, fixed, source=f"{path} [cell {name}]")
+        if overrides:
+            cfg = build_config(cfg.model_dump(mode="json"), overrides, source=f"{path} [cell {name}]")
+        cells.append(AblationCell(name, values, cfg))
+    return grid, cells
+
+
+def _refuse_mixed_judges(cells: list[AblationCell]) -> None:
+    """Before anything runs: every cell must have the same ``evaluation.judge`` and
+    protocol settings, else :class:`ConfigError` naming the differing keys (a score
+    depends on its judge, so cells judged differently cannot be compared)."""
+    keys = ("judge", "protocol", "initial_emotion", "max_turns", "repeats")
+    ref = cells[0]
+    ref_eval = ref.config.evaluation.model_dump(mode="json", include=set(keys))
+    diffs: set[str] = set()
+    for cell in cells[1:]:
+        other = cell.config.evaluation.model_dump(mode="json", include=set(keys))
+        diffs |= {f"evaluation.{k}" for k in diff_keys(ref_eval, other)}
+    if diffs:
+        raise ConfigError(
+            "ablation refused: its cells would be judged differently (changed between cells: "
+            f"{', '.join(sorted(diffs))}); a comparison needs one judge and one protocol for every "
+            "cell — vary the training simulator (simulator.*) instead, or compare separate grids")
+
+
+def _refuse_mixed_recorded_judges(grid_dir: Path, cells: list[AblationCell]) -> None:
+    """After the cells ran: the judges and protocols their ``summary.json`` files record
+    must agree (catches cells resumed from older runs); else :class:`PipelineError`."""
+    summaries = {}
+    for cell in cells:
+        for path in sorted((grid_dir / cell.name / "eval").glob("*/summary.json")):
+            data = json.loads(path.read_text(encoding="utf-8") or "{}")
+            if isinstance(data.get("sentient_score"), dict):  # a benchmark with figures
+                summaries[f"{cell.name}/{path.parent.name}"] = data
+    try:
+        check_same_judge(summaries)
+    except JudgeMismatchError as err:
+        raise PipelineError(f"ablation comparison refused: {err}") from None
+
+
+def run_ablation(path: str | Path, overrides: list[str] | None = None,
+                 *, progress: bool = True) -> Path:
+    """Run every cell of the grid at ``path`` and write the comparison report.
+
+    Cells whose manifest says ``complete`` are skipped (unfinished ones resume
+    stage by stage). Returns ``outputs/<grid_name>/report.html``. Raises
+    :class:`ConfigError` on a bad grid or one whose cells would be judged differently
+    (``evaluation.judge`` / protocol settings vary), and :class:`PipelineError` when a
+    cell fails or the cells' recorded judges differ.
+    """
+    grid, cells = load_grid(path, overrides)
+    grid_dir = (Path(grid.output_root) / grid.name).resolve()
+    _refuse_mixed_judges(cells)
+    if process_rank() > 0:  # a non-main rank of a multi-process launch: each cell's training only
+        for cell in cells:
+            run_pipeline(cell.config, params_file=str(path), progress=False)
+        return grid_dir / "report.html"
+    atomic_write_text(grid_dir / "grid.yaml", Path(path).read_text(encoding="utf-8"))
+    for cell in tqdm(cells, desc=f"ablation {grid.name}", unit="cell", disable=not progress):
+        if read_manifest(grid_dir / cell.name).get("status") == "complete":
+            continue
+        run_pipeline(cell.config, params_file=str(path), progress=progress)
+    _refuse_mixed_recorded_judges(grid_dir, cells)
+    output = grid_dir / "notebooks" / "05_ablations.ipynb"
+    with kernel_environment(cells[0].config):
+        execute_notebook("05_ablations.ipynb", output, {
+            "grid_dir": str(grid_dir),
+            "run_dirs": [str(grid_dir / c.name) for c in cells],
+            "axes": list(grid.axes),
+        })
+        return render_report([output], grid_dir / "report.html", ablation_header(grid.name, list(grid.axes), cells))
+
+
+def ablation_header(name: str, axes: list[str], cells: list[AblationCell]) -> str:
+    """Markdown header of an ablation report: the axes, one table row per cell with what
+    varies (each axis value, then algorithm and steps, think mode and simulator difficulty
+    as that cell ran them), and the shared models and limits
+    (:func:`limits_statement` with ``per_cell``)."""
+    rows = ["| cell | " + " | ".join(axes) + " | training | think | simulator |",
+            "|" + "---|" * (len(axes) + 4)]
+    for cell in cells:
+        c = cell.config
+        training = f"{c.training.algorithm.upper()}, {c.training.steps} step(s)" if "train" in c.stages else "none"
+        rows.append(f"| `{cell.name}` | " + " | ".join(str(cell.values[a]) for a in axes)
+                    + f" | {training} | {'on' if c.policy.think else 'off'} | {c.simulator.difficulty} |")
+    return "\n\n".join([f"# RLVER ablation report: `{name}`", f"Axes: {', '.join(axes)}; {len(cells)} runs.",
+                         "\n".join(rows), limits_statement(cells[0].config, per_cell=True)])

@@ -1,0 +1,247 @@
+"""``rlver run``: the stages of a run (notebooks 01-04, 06), each executed by papermill
+into the run folder, resumed when the manifest says a stage is complete and its marker
+file exists; under a multi-process launch rank 0 runs the notebooks and other ranks
+follow the manifest (docs/ARCHITECTURE.md "Data flow").
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+from tqdm import tqdm
+
+from rlver_lib.config import ConfigError, RunConfig, dump_config
+from rlver_lib.files import PROJECT_ROOT, atomic_write_json, atomic_write_text, process_rank
+from rlver_lib.pipeline.manifest import new_manifest, read_manifest, track_peak_memory, utc_now
+from rlver_lib.pipeline.report import execute_notebook, render_report, report_header
+
+
+class PipelineError(RuntimeError):
+    """A stage of a run failed; the message names the stage and its executed notebook."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline step: a template notebook executed with ``params`` into ``output``.
+
+    ``marker`` (relative to the run folder) is the file whose existence shows the
+    stage's outputs are complete; ``None`` means the manifest record alone decides.
+    """
+
+    name: str
+    notebook: str
+    output: str
+    marker: str | None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def trained_adapter_dir(run_dir: Path) -> Path:
+    """Where training saves the final LoRA adapter: ``<run>/train/adapter``."""
+    return run_dir / "train" / "adapter"
+
+
+def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
+    """The stages ``cfg.stages`` selects, in pipeline order.
+
+    ``baseline`` evaluates the policy as configured (``policy.adapter`` if set);
+    ``evaluate`` evaluates the adapter trained in this run, or ``policy.adapter``
+    when the run has no ``train`` stage.
+    """
+    trained = trained_adapter_dir(run_dir)
+    adapter = str(trained) if "train" in cfg.stages else cfg.policy.adapter
+    every = [
+        Stage("scenarios", "01_scenarios.ipynb", "01_scenarios.ipynb", "scenarios/test.jsonl"),
+        Stage("baseline", "04_evaluation.ipynb", "04_evaluation_baseline.ipynb",
+              "eval/baseline/summary.json",
+              {"label": "baseline", "adapter": cfg.policy.adapter}),
+        Stage("train", "03_training.ipynb", "03_training.ipynb",
+              str(trained.relative_to(run_dir) / "adapter_config.json")),
+        Stage("evaluate", "04_evaluation.ipynb", "04_evaluation_trained.ipynb",
+              "eval/trained/summary.json", {"label": "trained", "adapter": adapter}),
+        Stage("analysis", "06_analysis.ipynb", "06_analysis.ipynb", None),
+    ]
+    return [s for s in every if s.name in cfg.stages]
+
+
+@contextmanager
+def kernel_environment(cfg: RunConfig) -> Iterator[None]:
+    """Make the notebook kernel import this ``rlver_lib`` and use ``cfg.threads``."""
+    saved = dict(os.environ)
+    paths = [str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if cfg.threads:
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(cfg.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def prepare_run_dir(cfg: RunConfig, params_file: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """Create ``cfg.run_dir`` with ``config.yaml`` and ``manifest.json``.
+
+    A run folder already holding a different resolved config raises
+    :class:`ConfigError` (resuming must not silently change the experiment); change
+    ``run_name`` or delete the folder.
+    """
+    run_dir = cfg.run_dir.resolve()
+    config_path = run_dir / "config.yaml"
+    resolved = dump_config(cfg)
+    if config_path.exists() and config_path.read_text(encoding="utf-8") != resolved:
+        old = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+        new = cfg.model_dump(mode="json")
+        changed = sorted(diff_keys(old, new))
+        raise ConfigError(
+            f"{run_dir} holds a run with a different config (changed: {', '.join(changed)}); "
+            "use another run_name or delete the folder to start over"
+        )
+    atomic_write_text(config_path, resolved)
+    manifest = read_manifest(run_dir) or new_manifest(cfg, params_file)
+    return run_dir, manifest
+
+
+def diff_keys(old: Any, new: Any, prefix: str = "") -> set[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys: set[str] = set()
+        for k in set(old) | set(new):
+            keys |= diff_keys(old.get(k), new.get(k), f"{prefix}{k}.")
+        return keys
+    return set() if old == new else {prefix.rstrip(".")}
+
+
+def run_pipeline(cfg: RunConfig, *, params_file: str | None = None,
+                 progress: bool = True) -> Path:
+    """Run the stages of ``cfg`` as notebooks into ``cfg.run_dir``; return ``report.html``.
+
+    Each notebook gets the parameters ``params_file`` (the run's resolved
+    ``config.yaml``), ``run_dir`` (absolute) and its stage parameters. Stages
+    already complete are skipped. Under a multi-process launcher (``$RANK`` > 0)
+    see :func:`_follow_pipeline`. Raises :class:`PipelineError` (chained to
+    papermill's :class:`~papermill.PapermillExecutionError`, whose message shows the
+    failing cell's error) when a stage fails; the manifest records the failure.
+    """
+    rank = process_rank()
+    if rank > 0:
+        return _follow_pipeline(cfg, rank)
+    run_dir, manifest = prepare_run_dir(cfg, params_file)
+    manifest_path = run_dir / "manifest.json"
+    stages = pipeline_stages(cfg, run_dir)
+    invocation = {"started": utc_now(), "finished": None,
+                  "num_processes": int(os.environ.get("WORLD_SIZE", "1"))}  # processes of this launch
+    manifest["runs"].append(invocation)
+    manifest["status"] = "running"
+    atomic_write_json(manifest_path, manifest)
+    bar = tqdm(stages, desc=f"run {cfg.run_name}", unit="stage", disable=not progress)
+    with kernel_environment(cfg):
+        for stage in bar:
+            bar.set_postfix_str(stage.name)
+            if stage_complete(run_dir, manifest, stage):
+                manifest["stages"][stage.name]["skipped_at"] = utc_now()
+                continue
+            _run_stage(cfg, run_dir, stage, manifest, manifest_path)
+        report = render_report([run_dir / "notebooks" / s.output for s in stages],
+                               run_dir / "report.html", report_header(cfg, manifest))
+    invocation["finished"] = utc_now()
+    manifest["status"] = "complete"
+    manifest["report"] = report.name
+    atomic_write_json(manifest_path, manifest)
+    return report
+
+
+FOLLOW_POLL_S = 2.0
+"""How often a non-main rank re-reads the manifest while it waits for rank 0."""
+
+_follower_sleep = time.sleep  # a test replaces it to see the waiting rank's polls
+
+
+def _follow_pipeline(cfg: RunConfig, rank: int, *, poll_s: float | None = None) -> Path:
+    """A non-main rank of a multi-process launch: it runs the training stage only, the one
+    stage that needs every process (its kernel inherits the launcher's environment), with
+    the executed notebook under ``notebooks/rank<r>/``. Scenarios, the benchmarks
+    (baseline, evaluate: one judge, one writer of ``eval/<label>/``) and the analysis run
+    once, on rank 0, which alone writes the manifest and the report.
+
+    The rank waits until rank 0's manifest records the ``train`` stage running (rank 0
+    has then written the scenarios and run the baseline) or complete (skipped then, as
+    rank 0 skips it), re-reading it every ``poll_s`` seconds (:data:`FOLLOW_POLL_S`). It
+    has no deadline of its own: rank 0's stages before training may take hours, and a
+    launcher (``torchrun``, ``accelerate launch``) stops every rank when rank 0 fails.
+    Returns the path of the report rank 0 writes."""
+    run_dir = cfg.run_dir.resolve()
+    report = run_dir / "report.html"
+    stage = next((s for s in pipeline_stages(cfg, run_dir) if s.name == "train"), None)
+    if stage is None:
+        return report
+    poll_s = FOLLOW_POLL_S if poll_s is None else poll_s
+    while True:
+        manifest = read_manifest(run_dir)
+        if stage_complete(run_dir, manifest, stage):
+            return report
+        if manifest.get("stages", {}).get("train", {}).get("status") == "running":
+            break
+        _follower_sleep(poll_s)
+    folder = run_dir / "notebooks" / f"rank{rank}"
+    atomic_write_text(folder / "config.yaml", dump_config(cfg))
+    with kernel_environment(cfg):
+        try:
+            execute_notebook(stage.notebook, folder / stage.output,
+                             {"params_file": str(folder / "config.yaml"), "run_dir": str(run_dir),
+                              **stage.params})
+        except Exception as err:
+            raise PipelineError(f"rank {rank}: stage '{stage.name}' failed\n{err}") from err
+    return report
+
+
+def _run_stage(cfg: RunConfig, run_dir: Path, stage: Stage, manifest: dict[str, Any],
+               manifest_path: Path) -> None:
+    output = run_dir / "notebooks" / stage.output
+    record: dict[str, Any] = {"notebook": f"notebooks/{stage.output}", "status": "running",
+                              "started": utc_now(), "finished": None}
+    manifest["stages"][stage.name] = record
+    atomic_write_json(manifest_path, manifest)
+    parameters = {"params_file": str(run_dir / "config.yaml"), "run_dir": str(run_dir),
+                  **stage.params}
+    start = time.perf_counter()
+    error: str | None = None
+    with track_peak_memory() as memory:
+        try:
+            execute_notebook(stage.notebook, output, parameters)
+        except Exception as err:  # papermill's execution error or a kernel failure
+            error = str(err).strip()
+            cause: BaseException | None = err
+        else:
+            cause = None
+            if stage.marker and not (run_dir / stage.marker).exists():
+                error = f"the notebook finished but did not write {stage.marker}"
+    record.update(status="failed" if error else "complete", finished=utc_now(),
+                  wall_s=round(time.perf_counter() - start, 2),
+                  peak_rss_mb=memory["peak_rss_mb"])
+    if error:
+        record["error"] = error[-4000:]
+        manifest["status"] = "failed"
+    atomic_write_json(manifest_path, manifest)
+    if error:
+        raise PipelineError(
+            f"stage '{stage.name}' failed; partial notebook kept at {output}\n{error}"
+        ) from cause
+
+
+def stage_complete(run_dir: Path, manifest: dict[str, Any], stage: Stage) -> bool:
+    """True when the manifest records ``stage`` complete and its marker file exists."""
+    record = manifest.get("stages", {}).get(stage.name, {})
+    if record.get("status") != "complete":
+        return False
+    return stage.marker is None or (run_dir / stage.marker).exists()
