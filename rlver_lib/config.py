@@ -460,6 +460,25 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def get_dotted(data: RunConfig | BaseModel | dict[str, Any], key: str) -> Any:
+    """The value at a dotted ``key`` (``training.learning_rate``) of a config or a
+    mapping: the reader beside the overrides' setter. Raises :class:`ConfigError`
+    naming the key when a part of it is not there."""
+    node: Any = data
+    for part in key.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, BaseModel) and part in type(node).model_fields:
+            node = getattr(node, part)
+        else:
+            raise ConfigError(f"{key}: no '{part}' in the config")
+    return node
+
+
+PAPER_AXES = ("training.algorithm", "policy.think", "simulator.difficulty")
+"""The ablation axes of the paper (RLVER §5): PPO vs GRPO, think vs non-think, simulator difficulty."""
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     """Split ``key=value``; the value is parsed as YAML (``4``, ``true``, ``[a, b]``).
 

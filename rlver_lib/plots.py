@@ -16,6 +16,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from rlver_lib.config import PAPER_AXES
 from rlver_lib.files import atomic_write_bytes
 from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION
 
@@ -135,10 +136,11 @@ def plot_breakdown(breakdown: pd.DataFrame) -> Figure:
     return fig
 
 
-def plot_run_comparison(table: pd.DataFrame, factors: Sequence[str] = ("algorithm", "think", "difficulty")) -> Figure:
+def plot_run_comparison(table: pd.DataFrame, factors: Sequence[str] = PAPER_AXES) -> Figure:
     """Sentient score of each run with its interval, one panel per ablation factor
-    (PPO vs GRPO, think vs non-think, simulator difficulty), bars grouped and
-    coloured by the factor's level (output of :func:`compare_runs`)."""
+    (a column of ``table``: any dotted config key; by default the paper's PPO vs GRPO,
+    think vs non-think, simulator difficulty), bars grouped and coloured by the
+    factor's level (output of :func:`rlver_lib.analysis.runs.compare_runs`)."""
     fig, axes = new_figure(ncols=len(factors), width=4.5)
     for ax, factor in zip(axes, factors):
         sub = table.sort_values([factor, "run"], key=lambda s: s.astype(str))

@@ -9,35 +9,36 @@ from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
-import yaml
 from matplotlib.figure import Figure
 
 from rlver_lib.analysis.hacking import paired_estimate, sycophancy_rate
-from rlver_lib.analysis.runs import config_fields, run_name
+from rlver_lib.analysis.runs import config_fields, run_config, run_name
 from rlver_lib.analysis.strategies import UNPARSED, plot_strategy_mix, plot_strategy_use, strategy_mix, strategy_use
+from rlver_lib.config import PAPER_AXES, get_dotted
 from rlver_lib.files import atomic_write_text
 from rlver_lib.records import dialogue_view, scored_records
 
 # --------------------------------------------------------------------------- ablation grids
 
 
-def cell_fields(run_dir: str | Path) -> dict[str, Any]:
-    """What defines one run of a grid, from its ``config.yaml``: algorithm, think mode,
-    simulator difficulty, training steps, policy model, and the benchmark judge."""
-    path = Path(run_dir) / "config.yaml"
-    cfg = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    judge = (cfg.get("evaluation") or {}).get("judge") or {}
-    return {**config_fields(Path(run_dir)),
-            "steps": (cfg.get("training") or {}).get("steps"),
-            "policy": (cfg.get("policy") or {}).get("model"),
-            "judge": f"{judge.get('backend')}:{judge.get('model')} ({judge.get('difficulty')})" if judge else None}
+def cell_fields(run_dir: str | Path, axes: Sequence[str] = PAPER_AXES) -> dict[str, Any]:
+    """What defines one run of a grid, from its ``config.yaml``: each dotted ``axes``
+    key, ``training.steps``, ``policy.model`` and the benchmark ``judge``
+    (``backend:model (difficulty)``); ``None`` values without a ``config.yaml``."""
+    cfg = run_config(run_dir)
+    keys = dict.fromkeys([*axes, "training.steps", "policy.model"])
+    if cfg is None:
+        return {**keys, "judge": None}
+    judge = cfg.evaluation.judge
+    return {**{key: get_dotted(cfg, key) for key in keys},
+            "judge": f"{judge.backend}:{judge.model} ({judge.difficulty})"}
 
 
-def cells_table(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
+def cells_table(run_dirs: Sequence[str | Path], axes: Sequence[str] = PAPER_AXES) -> pd.DataFrame:
     """One row per run: ``run`` and its :func:`cell_fields`; with more than one run,
     only the columns whose values differ between runs are kept (plus ``run``), so the
     table says what varies per cell."""
-    table = pd.DataFrame([{"run": run_name(Path(d)), **cell_fields(d)} for d in run_dirs])
+    table = pd.DataFrame([{"run": run_name(Path(d)), **cell_fields(d, axes)} for d in run_dirs])
     if len(table) > 1:
         varying = [c for c in table.columns if c == "run" or table[c].astype(str).nunique() > 1]
         table = table[varying]
@@ -95,16 +96,14 @@ def paired_cell_differences(run_dirs: Sequence[str | Path], *, reference: str | 
 ANALYSIS_DIR = "analysis"
 
 
-def load_cell_tables(run_dirs: Sequence[str | Path], name: str) -> pd.DataFrame:
+def load_cell_tables(run_dirs: Sequence[str | Path], name: str, axes: Sequence[str] = PAPER_AXES) -> pd.DataFrame:
     """``<run>/analysis/<name>.csv`` of every run that has it, concatenated, with ``run``
-    and the :func:`cell_fields` columns (algorithm, think, difficulty, ...); empty when
-    no run has it."""
+    and one column per dotted ``axes`` key; empty when no run has it."""
     parts = []
     for d in map(Path, run_dirs):
         path = d / ANALYSIS_DIR / f"{name}.csv"
         if path.is_file():
-            fields = {k: v for k, v in cell_fields(d).items() if k in ("algorithm", "think", "difficulty")}
-            parts.append(pd.read_csv(path).assign(run=run_name(d), **fields))
+            parts.append(pd.read_csv(path).assign(run=run_name(d), **config_fields(d, axes)))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 
@@ -116,7 +115,7 @@ def write_table(run_dir: str | Path, name: str, table: pd.DataFrame) -> Path:
     return path
 
 
-def cell_strategy_figures(judgements: pd.DataFrame, factors: Sequence[str] = ("think", "algorithm", "difficulty"),
+def cell_strategy_figures(judgements: pd.DataFrame, factors: Sequence[str] = PAPER_AXES,
                           *, source: str = "trained") -> list[Figure]:
     """Strategy figures across the cells of a grid, from :func:`load_cell_tables` of
     ``strategy_labels``: the primary mix of each run's ``source`` replies, then, for

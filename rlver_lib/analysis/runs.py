@@ -12,10 +12,10 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
-import yaml
 from matplotlib.figure import Figure
 
 from rlver_lib.analysis.hacking import reply_changes
+from rlver_lib.config import PAPER_AXES, RunConfig, get_dotted, load_config
 from rlver_lib.files import iter_jsonl
 from rlver_lib.plots import plot_emotion_trajectories, plot_paired_scenarios
 from rlver_lib.records import dialogue_view, load_records, policy_turns, scored_records
@@ -134,19 +134,24 @@ def eval_overview(run_dir: str | Path) -> EvalOverview | None:
     fig.axes[0].set_title("Mean emotion per turn on the held-out benchmark")
     return EvalOverview(ev.pivot(index="metric", columns="label", values="estimate [interval]"), fig)
 
-def config_fields(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "config.yaml"
-    cfg = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    return {
-        "algorithm": (cfg.get("training") or {}).get("algorithm"),
-        "think": (cfg.get("policy") or {}).get("think"),
-        "difficulty": (cfg.get("simulator") or {}).get("difficulty"),
-    }
+def run_config(run_dir: str | Path) -> RunConfig | None:
+    """The resolved config a run saved (``<run>/config.yaml``, :func:`rlver_lib.config.load_config`),
+    ``None`` when the folder has none. Raises :class:`rlver_lib.config.ConfigError`."""
+    path = Path(run_dir) / "config.yaml"
+    return load_config(path) if path.is_file() else None
 
 
-def compare_runs(run_dirs: Sequence[str | Path], *, label: str = "trained") -> pd.DataFrame:
-    """One row per run of an ablation grid: ``run``, ``algorithm``, ``think``,
-    ``difficulty`` (from its ``config.yaml``), the ``label`` evaluation's figures
+def config_fields(run_dir: str | Path, axes: Sequence[str] = PAPER_AXES) -> dict[str, Any]:
+    """``{axis: value}`` of a run's config for each dotted ``axes`` key (``None``
+    without a ``config.yaml``)."""
+    cfg = run_config(run_dir)
+    return {axis: None if cfg is None else get_dotted(cfg, axis) for axis in axes}
+
+
+def compare_runs(run_dirs: Sequence[str | Path], *, axes: Sequence[str] = PAPER_AXES,
+                 label: str = "trained") -> pd.DataFrame:
+    """One row per run of an ablation grid: ``run``, one column per dotted ``axes`` key
+    (its value in the run's ``config.yaml``), the ``label`` evaluation's figures
     (``sentient_score``, ``sentient_low``, ``sentient_high``, ``success_rate``,
     ``failure_rate``, ``mean_turns``; NaN when absent), the ``baseline``
     Sentient score, and the mean training reward of the last step (NaN without
@@ -154,7 +159,7 @@ def compare_runs(run_dirs: Sequence[str | Path], *, label: str = "trained") -> p
     rows = []
     for run_dir in map(Path, run_dirs):
         ev = load_eval(run_dir)
-        row: dict[str, Any] = {"run": run_name(run_dir), **config_fields(run_dir)}
+        row: dict[str, Any] = {"run": run_name(run_dir), **config_fields(run_dir, axes)}
 
         def pick(lbl: str, metric: str, col: str = "value", ev: pd.DataFrame = ev) -> float:
             hit = ev[(ev["label"] == lbl) & (ev["metric"] == metric)]
