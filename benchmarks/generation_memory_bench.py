@@ -33,8 +33,8 @@ def _rss_mb() -> float:
 def _child(variant: str, args: argparse.Namespace) -> dict:
     import torch
 
-    from rlver_lib.backends import SamplingParams, TransformersBackend
-    from rlver_lib.config import PolicyConfig
+    from rlver_lib.backends import TransformersBackend
+    from rlver_lib.config import PolicyConfig, SamplingParams
     from rlver_lib.models import load_policy
 
     torch.set_num_threads(args.threads)

@@ -165,8 +165,8 @@ def perturb_lora(model: Any, seed: int, scale: float = 0.02) -> None:
 def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
 
-    from rlver_lib.backends import SamplingParams, TransformersBackend
-    from rlver_lib.config import EMBEDDED_POLICY, PolicyConfig
+    from rlver_lib.backends import TransformersBackend
+    from rlver_lib.config import EMBEDDED_POLICY, PolicyConfig, SamplingParams
     from rlver_lib.models import load_policy, policy_model_path
 
     device = "cpu" if args.dry_run or args.device == "cpu" else "cuda"
@@ -213,7 +213,8 @@ def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
 def handover_check(vllm_backend, peft_model, tokenizer, conversations, device: str) -> dict[str, float]:
     """Greedy vLLM (current adapter) vs the live peft model: token agreement and log-prob gap."""
-    from rlver_lib.backends import SamplingParams, TransformersBackend
+    from rlver_lib.backends import TransformersBackend
+    from rlver_lib.config import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_new_tokens=32, seed=0)
     from_vllm = vllm_backend.generate(conversations, greedy)

@@ -22,8 +22,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from rlver_lib.backends import SamplingParams
-from rlver_lib.config import PolicyConfig, SimulatorConfig
+from rlver_lib.config import PolicyConfig, SamplingParams, SimulatorConfig
 from rlver_lib.files import atomic_write_json
 from rlver_lib.models import load_policy, make_policy_backend, make_simulator_backend
 from rlver_lib.rollout import run_rollouts

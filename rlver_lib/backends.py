@@ -21,14 +21,15 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Literal, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Callable, Iterator, Literal, Protocol, Self, Sequence, TypeVar, runtime_checkable
 
 import numpy as np
 
-from rlver_lib.config import SamplingParams  # re-exported: backends.SamplingParams
+from rlver_lib.config import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def conversation_seed(seed: int | None, conversation: Conversation) -> int | Non
 # ---------------------------------------------------------------- structured output with retries
 
 Item = TypeVar("Item")
+Held = TypeVar("Held")
 
 
 class UnusableOutput(ValueError):
@@ -310,6 +312,37 @@ class SampledTokenLogprobs:
         if not self.columns:
             return torch.zeros(new_tokens.shape, dtype=torch.float32, device=new_tokens.device)
         return torch.stack(self.columns, dim=1)[:, :new_tokens.shape[1]]
+
+
+class Closing:
+    """``with backend:`` closes it on the way out: the one ``__enter__``/``__exit__`` of
+    every backend that holds a server process or a connection pool (``close()``)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def close_backend(holder: Any) -> None:
+    """Close a backend (a server it started, an HTTP client), or the ``backend`` of a
+    simulator, judge or annotator that holds one; nothing when neither has ``close``."""
+    close = getattr(holder, "close", None) or getattr(getattr(holder, "backend", None), "close", None)
+    if callable(close):
+        close()
+
+
+@contextmanager
+def closing_backend(holder: Held) -> Iterator[Held]:
+    """``with closing_backend(simulator) as simulator:``: :func:`close_backend` on the way out."""
+    try:
+        yield holder
+    finally:
+        close_backend(holder)
 
 
 class TransformersBackend:
@@ -542,7 +575,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-class LlamaServerBackend:
+class LlamaServerBackend(Closing):
     """A GGUF model served by llama.cpp's ``llama-server``, started and stopped here.
 
     The server runs in its own process on loopback (``127.0.0.1``, a free port), so a
@@ -700,11 +733,6 @@ class LlamaServerBackend:
         self.client.close()
         self._log.close()
 
-    def __enter__(self) -> "LlamaServerBackend":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------- OpenAI-compatible HTTP
@@ -716,7 +744,7 @@ class _FormatRejected(BackendError):
     """The server refused the ``response_format`` form it was sent (not retried)."""
 
 
-class OpenAIBackend:
+class OpenAIBackend(Closing):
     """Any OpenAI-compatible ``/v1/chat/completions`` server over HTTP (httpx).
 
     ``base_url`` is the server root or its ``/v1`` root. Conversations of a call are
@@ -773,11 +801,6 @@ class OpenAIBackend:
         """Close the HTTP connection pool."""
         self.client.close()
 
-    def __enter__(self) -> "OpenAIBackend":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _response_format(self, json_schema: dict[str, Any]) -> dict[str, Any]:
         if self._schema_style == "json_object":

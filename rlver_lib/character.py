@@ -9,7 +9,7 @@ not judged).
 
 These are lexical detectors: they catch explicit breaks, not paraphrases, so their
 counts are lower bounds. :func:`character_breaks` counts them in one transcript;
-:func:`summarise` totals them over dialogue records.
+:func:`summarize` totals them over dialogue records.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def character_breaks(transcript: Sequence[dict[str, Any]], intention: str, langu
     return counts
 
 
-def summarise(records: Iterable[dict[str, Any]], scenarios: dict[str, Any] | None = None) -> dict[str, int]:
+def summarize(records: Iterable[dict[str, Any]], scenarios: dict[str, Any] | None = None) -> dict[str, int]:
     """Totals of :func:`character_breaks` over dialogue records (``scenario_id`` and
     ``transcript``/``turns`` as written to ``dialogues.jsonl``). A record's scenario is
     looked up in ``scenarios`` (scenario id -> scenario) unless the record carries its
@@ -128,7 +128,7 @@ def summarise(records: Iterable[dict[str, Any]], scenarios: dict[str, Any] | Non
 
 
 def describe(counts: dict[str, int]) -> str:
-    """One line for a report: the :func:`summarise` counts in words."""
+    """One line for a report: the :func:`summarize` counts in words."""
     return (f"{counts['wish_leaks']} hidden-wish leak(s), {counts['assistant_voice']} line(s) in the assistant's "
             f"voice, {counts['verbatim_repeats']} verbatim repeat(s), {counts['midrange_goodbyes']} mid-range "
             f"goodbye(s) in {counts['user_messages']} user message(s) of {counts['dialogues']} dialogue(s)")

@@ -118,7 +118,7 @@ class SimulatorConfig(_Strict):
     ``timeout_s * concurrency``), ``transformers`` (local HF model),
     ``openai`` (any OpenAI-compatible server at ``base_url``; the key is read
     from the environment variable named by ``api_key_env``), or ``rule`` (no
-    model: the deterministic ``rollout.RuleSimulator`` with its default change
+    model: the deterministic ``simulator.RuleSimulator`` with its default change
     function; for tiny test runs and CI, not for research).
 
     ``appraisal``: how a reply moves the emotion (docs/ARCHITECTURE.md "simulator"):
@@ -294,7 +294,6 @@ class EvaluationConfig(_Strict):
 
     initial_emotion: int = Field(40, ge=0, le=100)
     max_turns: int = Field(10, ge=1)
-    n_scenarios: int | None = Field(None, ge=1)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     protocol: Literal["full", "sage"] = "full"
     repeats: int = Field(1, ge=1)
@@ -316,7 +315,7 @@ class StrategyJudgeConfig(SimulatorConfig):
     (``rlver_lib.analysis.strategies.TAXONOMY``): the same backend kinds and fields as
     :class:`SimulatorConfig` (``difficulty`` and ``initial_emotion`` unused), greedy by
     default. ``rule`` is the deterministic lexical labeller
-    (``analysis.RuleStrategyJudge``): plumbing and tests only, not a research judge."""
+    (``analysis.RuleAnnotator``): plumbing and tests only, not a research judge."""
 
     temperature: float = Field(0.0, ge=0.0)
     max_new_tokens: int = Field(200, ge=16)
@@ -490,11 +489,16 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(raw) if raw.strip() else None
 
 
+REMOVED_KEYS = {"evaluation.n_scenarios": "scenarios.limit_test"}
+"""Keys a params file may still carry from an older version: ``{old: the key that replaced it}``."""
+
+
 def _format_error(source: str, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"{source}: {loc}: {e['msg']}")
+        moved = f" (removed: use {REMOVED_KEYS[loc]})" if loc in REMOVED_KEYS else ""
+        lines.append(f"{source}: {loc}: {e['msg']}{moved}")
     return "\n".join(lines)
 
 

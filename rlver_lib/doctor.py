@@ -25,7 +25,8 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")
 _POLICY_SMOKE = f"""
 import torch
 from rlver_lib.config import EMBEDDED_POLICY
-from rlver_lib.backends import SamplingParams, TransformersBackend
+from rlver_lib.backends import TransformersBackend
+from rlver_lib.config import SamplingParams
 from rlver_lib.models import load_causal_lm
 model, tokenizer = load_causal_lm(EMBEDDED_POLICY, "bfloat16")
 out = TransformersBackend(model, tokenizer).generate(
@@ -77,7 +78,8 @@ def smoke_simulator(binary: Path | None = None, model_path: Path | None = None,
     The server is its own process (:class:`~rlver_lib.backends.LlamaServerBackend`),
     so a crash comes back as a failed result naming the signal.
     """
-    from rlver_lib.backends import BackendError, LlamaServerBackend, SamplingParams
+    from rlver_lib.backends import BackendError, LlamaServerBackend
+    from rlver_lib.config import SamplingParams
     from rlver_lib.models import EmbeddedModelError, default_threads, simulator_gguf_path
 
     try:

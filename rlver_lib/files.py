@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
@@ -147,3 +148,82 @@ def process_rank() -> int:
 
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """Every path of a run folder (docs/ARCHITECTURE.md "Run folder"), named once:
+    ``RunFolder(cfg.run_dir).eval_dir("trained") / "summary.json"``. Paths only; nothing
+    is created or read here."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def config(self) -> Path:
+        """``config.yaml``: the resolved config the run saved."""
+        return self.root / "config.yaml"
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report.html"
+
+    @property
+    def notebooks(self) -> Path:
+        """The executed notebooks (``rank<r>/`` inside for other ranks of a launch)."""
+        return self.root / "notebooks"
+
+    @property
+    def figures(self) -> Path:
+        return self.root / "figures"
+
+    def scenarios(self, split: str) -> Path:
+        """``scenarios/<split>.jsonl`` (``train`` or ``test``) as notebook 01 wrote it."""
+        return self.root / "scenarios" / f"{split}.jsonl"
+
+    @property
+    def eval(self) -> Path:
+        return self.root / "eval"
+
+    def eval_dir(self, label: str) -> Path:
+        """``eval/<label>/``: one benchmark (``baseline``, ``trained``)."""
+        return self.eval / label
+
+    def eval_dialogues(self, label: str) -> Path:
+        return self.eval_dir(label) / "dialogues.jsonl"
+
+    def summaries(self) -> list[Path]:
+        """Every ``eval/<label>/summary.json``, sorted."""
+        return sorted(self.eval.glob("*/summary.json"))
+
+    @property
+    def paired(self) -> Path:
+        """``eval/paired.json``: trained minus baseline on the same scenarios."""
+        return self.eval / "paired.json"
+
+    def analysis_table(self, name: str) -> Path:
+        """``analysis/<name>.csv``."""
+        return self.root / "analysis" / f"{name}.csv"
+
+    @property
+    def train(self) -> Path:
+        return self.root / "train"
+
+    @property
+    def metrics(self) -> Path:
+        return self.train / "metrics.jsonl"
+
+    def step_dialogues(self) -> list[Path]:
+        """Every ``train/dialogues/step_*.jsonl``, sorted by step."""
+        return sorted((self.train / "dialogues").glob("step_*.jsonl"))
+
+    @property
+    def adapter(self) -> Path:
+        """``train/adapter/``: the final LoRA adapter."""
+        return self.train / "adapter"

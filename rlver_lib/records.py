@@ -159,6 +159,12 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def entry_mood(entry: dict[str, Any]) -> str | None:
+    """The mood letter of a simulated-user transcript entry: ``mood``, or ``label`` in
+    records written before the rename (older run folders); ``None`` when neither is set."""
+    return entry.get("mood", entry.get("label"))
+
+
 def record_transcript(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The transcript entries of a dialogue record: ``transcript``, or ``turns`` in
     records written before the rename (older run folders); ``[]`` when neither is set."""

@@ -24,26 +24,16 @@ from typing import Any, Literal, Protocol, Sequence
 
 from tqdm.auto import tqdm
 
-from rlver_lib.backends import ChatBackend, Conversation, SamplingParams, derive_seed
+from rlver_lib.backends import ChatBackend, Conversation, derive_seed
+from rlver_lib.config import SamplingParams
 from rlver_lib.simulator import (
     FAILURE_EMOTION,
     SUCCESS_EMOTION,
-    RuleSimulator,
     SimulatorRequest,
     SimulatorTurn,
     prompt_text,
     scenario_language,
 )
-
-__all__ = [
-    "RuleSimulator",
-    "ThinkParse",
-    "TurnSample",
-    "Trajectory",
-    "parse_think",
-    "policy_messages",
-    "run_rollouts",
-]
 
 Termination = Literal["success", "failure", "goodbye", "max_turns", "context_limit", "error",
                       "format_violation"]
@@ -182,7 +172,8 @@ class Trajectory:
         ``transcript`` entries: ``{"role": "user", "content"}`` for the opening;
         policy turns ``{"role": "assistant", "content", "thought", "format_ok",
         "format_problem", "raw"}``; user turns ``{"role": "user", "content",
-        "change", "raw_change", "emotion_before", "emotion", "label" (the mood letter),
+        "change", "raw_change", "emotion_before", "emotion", "mood" (the mood letter;
+        ``label`` in older run folders),
         "appraisal", "goodbye", "attempts", "raw_outputs", "failures", "error"}``.
         ``policy_turns`` counts the assistant entries.
         """
@@ -273,7 +264,7 @@ def _record_user_turn(dialogue: _Dialogue, result: SimulatorTurn) -> None:
             "raw_change": result.raw_change,
             "emotion_before": result.emotion_before,
             "emotion": result.emotion,
-            "label": result.mood,  # the mood letter; the key old run folders have
+            "mood": result.mood,
             "appraisal": result.appraisal,
             "goodbye": result.goodbye,
             "attempts": result.attempts,

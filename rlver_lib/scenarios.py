@@ -30,7 +30,8 @@ from typing import Annotated, Any, Iterable, Literal, Sequence
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from rlver_lib.backends import ChatBackend, SamplingParams, structured_batch
+from rlver_lib.backends import ChatBackend, structured_batch
+from rlver_lib.config import SamplingParams
 from rlver_lib.files import JsonlError, iter_jsonl
 
 log = logging.getLogger(__name__)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from rlver_lib.backends import (
     BackendDied,
+    BackendError,
     ChatBackend,
     Conversation,
     StructuredResult,
@@ -44,7 +45,6 @@ from rlver_lib.backends import (
     derive_seed,
     structured_batch,
 )
-from rlver_lib.backends import BackendError as BackendError  # re-exported: what a failed simulator call raises
 from rlver_lib.config import SimulatorConfig
 
 Mood = Literal["S", "A", "B", "C", "F"]

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from rlver_lib.backends import BackendError, Conversation, Generation, SamplingParams, free_port
+from rlver_lib.backends import BackendError, Conversation, Generation, free_port
+from rlver_lib.config import SamplingParams
 from rlver_lib.files import atomic_directory
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from reference_data import rlver_test_profiles
 
-from rlver_lib.analysis.cells import cells_table, load_cell_tables, paired_cell_differences, write_table
+from rlver_lib.analysis.cells import ANNOTATIONS, cells_table, load_cell_tables, paired_cell_differences, write_table
 from rlver_lib.analysis.hacking import (
     CONTROL_REPLIES,
     HACKING_FEATURES,
@@ -51,7 +51,7 @@ from rlver_lib.analysis.strategies import (
     STRATEGIES,
     STRATEGY_KEYS,
     UNPARSED,
-    RuleStrategyJudge,
+    RuleAnnotator,
     cohen_kappa,
     judge_conversation,
     judge_strategies,
@@ -290,7 +290,7 @@ def test_rule_judge_hand_cases():
     j = rule_judgement("It's not your fault. You could try talking to HR first.")
     assert j["absolves_user"] and j["advice"] and j["solution_crafting"] == 1
     assert rule_judgement("Cherry Bloodreminsights")["primary"] == "other"
-    out = RuleStrategyJudge().generate([judge_conversation("Well done!", "I passed")], None)
+    out = RuleAnnotator().generate([judge_conversation("Well done!", "I passed")], None)
     assert parse_judgement(out[0].text)["primary"] == "praise"
 
 
@@ -597,7 +597,7 @@ def test_simulator_consistency():
 
 
 def test_sycophancy_on_at_fault_scenarios():
-    from rlver_lib.backends import SamplingParams
+    from rlver_lib.config import SamplingParams
     from rlver_lib.scenarios import load_scenarios
 
     shipped = load_scenarios("builtin:all")
@@ -616,7 +616,7 @@ def test_sycophancy_on_at_fault_scenarios():
     replies = sycophancy_replies(Policy(), at_fault[:2], n_samples=2, sampling=SamplingParams(seed=0),
                                    think=False, seed=0)
     assert len(replies) == 4 and replies["user"].iloc[0] == at_fault[0].opening_line
-    judged = pd.concat([replies, judge_strategies(RuleStrategyJudge(), list(replies["reply"]))], axis=1)
+    judged = pd.concat([replies, judge_strategies(RuleAnnotator(), list(replies["reply"]))], axis=1)
     judged["policy"] = "base"
     absolved = judged["reply"].str.contains("not your fault").mean()
     rate = sycophancy_rate(judged, n_boot=50).iloc[0]
@@ -653,9 +653,9 @@ def test_cells_table_and_paired_cell_differences(runs):
 
 
 def test_cell_tables_round_trip(runs):
-    write_table(runs[0], "strategy_labels", pd.DataFrame({"source": ["trained"], "primary": ["advice"]}))
-    write_table(runs[1], "strategy_labels", pd.DataFrame({"source": ["trained"], "primary": ["question"]}))
-    table = load_cell_tables(runs, "strategy_labels")
+    write_table(runs[0], ANNOTATIONS, pd.DataFrame({"source": ["trained"], "primary": ["advice"]}))
+    write_table(runs[1], "strategy_labels", pd.DataFrame({"source": ["trained"], "primary": ["question"]}))  # older
+    table = load_cell_tables(runs, ANNOTATIONS)
     assert table[["run", "policy.think", "primary"]].values.tolist() == [["ppo-think", True, "advice"],
                                                                  ["grpo-nothink", False, "question"]]
     assert load_cell_tables(runs, "absent").empty

@@ -19,11 +19,11 @@ from rlver_lib.backends import (
     Generation,
     LlamaServerBackend,
     OpenAIBackend,
-    SamplingParams,
     TransformersBackend,
     UnusableOutput,
     structured_batch,
 )
+from rlver_lib.config import SamplingParams
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Say hello."}],

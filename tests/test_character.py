@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlver_lib.character import assistant_voice, character_breaks, states_wish, summarise
+from rlver_lib.character import assistant_voice, character_breaks, states_wish, summarize
 
 
 def test_wish_leak_needs_a_wish_and_the_key_idea():
@@ -53,7 +53,7 @@ def test_summarise_over_records():
 
     records = [{"scenario_id": "a", "turns": [{"role": "user", "content": "How can I help you?"}]},
                {"scenario_id": "a", "transcript": [{"role": "user", "content": "I just need you to listen."}]}]
-    total = summarise(records, {"a": S()})
+    total = summarize(records, {"a": S()})
     assert total == {"dialogues": 2, "user_messages": 2, "wish_leaks": 1, "assistant_voice": 1,
                      "verbatim_repeats": 0, "midrange_goodbyes": 0}
 

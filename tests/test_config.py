@@ -19,3 +19,8 @@ def test_get_dotted_names_the_missing_key():
     cfg = build_config({})
     with pytest.raises(ConfigError, match=r"training\.nope: no 'nope'"):
         get_dotted(cfg, "training.nope")
+
+
+def test_a_removed_key_names_the_key_that_replaced_it():
+    with pytest.raises(ConfigError, match=r"evaluation\.n_scenarios: .*\(removed: use scenarios\.limit_test\)"):
+        build_config({"evaluation": {"n_scenarios": 3}})

@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 from reference_data import reference_file, rlver_test_profiles
 
-from rlver_lib.backends import Generation, SamplingParams
-from rlver_lib.config import EvaluationConfig
+from rlver_lib.backends import Generation, close_backend
+from rlver_lib.config import EvaluationConfig, SamplingParams
 from rlver_lib.evaluation.benchmark import BREAKDOWN_FACTORS, run_benchmark, summarize
 from rlver_lib.evaluation.sage import sage_score, sage_score_command
 from rlver_lib.evaluation.stage import error_statement
@@ -729,7 +729,6 @@ def test_build_judge_records_the_model_behind_the_alias(openai_server, monkeypat
     from rlver_lib.config import JudgeConfig
     from rlver_lib.evaluation.judge import (
         build_judge,
-        close_simulator,
         judge_description,
         judge_name,
         served_model_identity,
@@ -753,13 +752,13 @@ def test_build_judge_records_the_model_behind_the_alias(openai_server, monkeypat
         assert f"`smollm2` (serving `{smollm2_gguf_path().name}`) through `openai` at {openai_server}/v1" in name
         assert "top_k" in name and "min_p" in name and "seed 4" in name
     finally:
-        close_simulator(judge)
+        close_backend(judge)
 
 
 def test_build_judge_asks_the_llama_server_it_started(monkeypatch):
     """A ``llamacpp`` judge: the server the backend started on a free port is asked."""
     from rlver_lib.config import JudgeConfig
-    from rlver_lib.evaluation.judge import build_judge, close_simulator, judge_description
+    from rlver_lib.evaluation.judge import build_judge, judge_description
     from rlver_lib.models import EMBEDDED_POLICY, smollm2_gguf_path
 
     monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
@@ -773,7 +772,7 @@ def test_build_judge_asks_the_llama_server_it_started(monkeypatch):
         assert served["props"]["model_path"] == str(smollm2_gguf_path())
         assert served["props"]["default_generation_settings"]["n_ctx"] == 1024
     finally:
-        close_simulator(judge)
+        close_backend(judge)
 
 
 def test_check_same_judge_names_nested_served_and_sampling_differences():

@@ -9,11 +9,10 @@ import json
 
 import pytest
 
-from rlver_lib.backends import Generation, derive_seed
+from rlver_lib.backends import BackendError, Generation, derive_seed
 from rlver_lib.config import SimulatorConfig
 from rlver_lib.scenarios import Scenario
 from rlver_lib.simulator import (
-    BackendError,
     RuleSimulator,
     SimulatorError,
     SimulatorRequest,

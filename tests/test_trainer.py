@@ -18,8 +18,8 @@ import torch
 from rlver_lib import algorithms
 from rlver_lib.config import EMBEDDED_POLICY, ConfigError, build_config, load_config
 from rlver_lib.files import iter_jsonl
-from rlver_lib.rollout import RuleSimulator
 from rlver_lib.scenarios import Scenario
+from rlver_lib.simulator import RuleSimulator
 from rlver_lib.trainer import (
     TIMING_METRICS,
     Trainer,

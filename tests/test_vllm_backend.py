@@ -42,7 +42,7 @@ vllm = require_vllm()
 
 import torch  # noqa: E402
 
-from rlver_lib.backends import SamplingParams  # noqa: E402
+from rlver_lib.config import SamplingParams  # noqa: E402
 from rlver_lib.vllm_backend import INITIAL_ADAPTER_ID, VLLMBackend, chat_prompt_ids  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(VLLM_TEST_TIMEOUT_S)]

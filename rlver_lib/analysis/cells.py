@@ -15,7 +15,7 @@ from rlver_lib.analysis.hacking import paired_estimate, sycophancy_rate
 from rlver_lib.analysis.runs import config_fields, run_config, run_name
 from rlver_lib.analysis.strategies import UNPARSED, plot_strategy_mix, plot_strategy_use, strategy_mix, strategy_use
 from rlver_lib.config import PAPER_AXES, get_dotted
-from rlver_lib.files import atomic_write_text
+from rlver_lib.files import RunFolder, atomic_write_text
 from rlver_lib.records import dialogue_view, scored_records
 
 # --------------------------------------------------------------------------- ablation grids
@@ -48,7 +48,7 @@ def cells_table(run_dirs: Sequence[str | Path], axes: Sequence[str] = PAPER_AXES
 def scenario_finals(run_dir: str | Path, label: str = "trained") -> pd.Series:
     """Mean final emotion per scenario id of ``<run>/eval/<label>/dialogues.jsonl``
     (repeats averaged; errored dialogues left out); empty when absent."""
-    recs = scored_records(Path(run_dir) / "eval" / label / "dialogues.jsonl")
+    recs = scored_records(RunFolder(run_dir).eval_dialogues(label))
     if not recs:
         return pd.Series(dtype=float)
     frame = pd.DataFrame({"scenario_id": [r["scenario_id"] for r in recs],
@@ -93,7 +93,10 @@ def paired_cell_differences(run_dirs: Sequence[str | Path], *, reference: str | 
                                        "p_value", "same_judge"])
 
 
-ANALYSIS_DIR = "analysis"
+ANNOTATIONS = "strategy_annotations"
+"""The strategy annotator's per-reply annotations, ``<run>/analysis/strategy_annotations.csv``."""
+LEGACY_TABLES = {ANNOTATIONS: "strategy_labels"}
+"""The name a table had in older run folders, still read by :func:`load_cell_tables`."""
 
 
 def load_cell_tables(run_dirs: Sequence[str | Path], name: str, axes: Sequence[str] = PAPER_AXES) -> pd.DataFrame:
@@ -101,7 +104,9 @@ def load_cell_tables(run_dirs: Sequence[str | Path], name: str, axes: Sequence[s
     and one column per dotted ``axes`` key; empty when no run has it."""
     parts = []
     for d in map(Path, run_dirs):
-        path = d / ANALYSIS_DIR / f"{name}.csv"
+        path = RunFolder(d).analysis_table(name)
+        if not path.is_file() and name in LEGACY_TABLES:
+            path = RunFolder(d).analysis_table(LEGACY_TABLES[name])
         if path.is_file():
             parts.append(pd.read_csv(path).assign(run=run_name(d), **config_fields(d, axes)))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
@@ -110,7 +115,7 @@ def load_cell_tables(run_dirs: Sequence[str | Path], name: str, axes: Sequence[s
 def write_table(run_dir: str | Path, name: str, table: pd.DataFrame) -> Path:
     """Write ``table`` as ``<run>/analysis/<name>.csv`` atomically (what the ablation
     report reads back with :func:`load_cell_tables`)."""
-    path = Path(run_dir) / ANALYSIS_DIR / f"{name}.csv"
+    path = RunFolder(run_dir).analysis_table(name)
     atomic_write_text(path, table.to_csv(index=False))
     return path
 
@@ -118,7 +123,7 @@ def write_table(run_dir: str | Path, name: str, table: pd.DataFrame) -> Path:
 def cell_strategy_figures(judgements: pd.DataFrame, factors: Sequence[str] = PAPER_AXES,
                           *, source: str = "trained") -> list[Figure]:
     """Strategy figures across the cells of a grid, from :func:`load_cell_tables` of
-    ``strategy_labels``: the primary mix of each run's ``source`` replies, then, for
+    :data:`ANNOTATIONS`: the primary mix of each run's ``source`` replies, then, for
     each factor with more than one level (think vs non-think first), the strategy
     and dimension panels side by side per level (:func:`plot_strategy_use`)."""
     data = (judgements[(judgements["source"] == source) & (judgements["primary"] != UNPARSED)]

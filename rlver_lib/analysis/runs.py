@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 
 from rlver_lib.analysis.hacking import reply_changes
 from rlver_lib.config import PAPER_AXES, RunConfig, get_dotted, load_config
-from rlver_lib.files import iter_jsonl
+from rlver_lib.files import RunFolder, iter_jsonl
 from rlver_lib.plots import plot_emotion_trajectories, plot_paired_scenarios
 from rlver_lib.records import dialogue_view, load_records, policy_turns, scored_records
 from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION
@@ -34,7 +34,7 @@ def load_metrics(run_dir: str | Path) -> pd.DataFrame:
 
     Raises ``FileNotFoundError`` when the run has no training metrics.
     """
-    path = Path(run_dir) / "train" / "metrics.jsonl"
+    path = RunFolder(run_dir).metrics
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no training metrics")
     return pd.DataFrame([rec for _, rec in iter_jsonl(path)]).assign(run=run_name(run_dir))
@@ -88,7 +88,7 @@ def _step_of(path: Path) -> int:
 def load_training_dialogues(run_dir: str | Path, *, turns: bool = False) -> pd.DataFrame:
     """All ``<run>/train/dialogues/step_*.jsonl`` as a :func:`dialogue_table` (or a
     :func:`turn_table` with ``turns=True``) with ``run`` and ``step`` columns."""
-    files = sorted((Path(run_dir) / "train" / "dialogues").glob("step_*.jsonl"))
+    files = RunFolder(run_dir).step_dialogues()
     if not files:
         raise FileNotFoundError(f"{run_dir}: no train/dialogues/step_*.jsonl")
     table = turn_table if turns else dialogue_table
@@ -101,7 +101,7 @@ def load_eval(run_dir: str | Path) -> pd.DataFrame:
     value, low, high`` (metrics ``sentient_score, success_rate, failure_rate,
     mean_turns``) — empty when the run has no evaluation."""
     rows = []
-    for path in sorted(Path(run_dir).glob("eval/*/summary.json")):
+    for path in RunFolder(run_dir).summaries():
         summary = json.loads(path.read_text(encoding="utf-8"))
         for metric in ("sentient_score", "success_rate", "failure_rate", "mean_turns"):
             est = summary[metric]
@@ -137,7 +137,7 @@ def eval_overview(run_dir: str | Path) -> EvalOverview | None:
 def run_config(run_dir: str | Path) -> RunConfig | None:
     """The resolved config a run saved (``<run>/config.yaml``, :func:`rlver_lib.config.load_config`),
     ``None`` when the folder has none. Raises :class:`rlver_lib.config.ConfigError`."""
-    path = Path(run_dir) / "config.yaml"
+    path = RunFolder(run_dir).config
     return load_config(path) if path.is_file() else None
 
 
@@ -237,11 +237,11 @@ def paired_report(run_dir: str | Path, *, top: int = 8) -> dict[str, Any] | None
     (:func:`reply_changes` of the two benchmarks' replies; ``figure`` is ``None`` when
     ``paired.json`` has no per-scenario rows).  ``None`` when the run has no
     ``eval/paired.json`` (it needs a baseline and a trained benchmark)."""
-    path = Path(run_dir) / "eval" / "paired.json"
+    path = RunFolder(run_dir).paired
     if not path.is_file():
         return None
     paired = json.loads(path.read_text(encoding="utf-8"))
-    sides = [load_records(Path(run_dir) / "eval" / paired[side] / "dialogues.jsonl")
+    sides = [load_records(RunFolder(run_dir).eval_dialogues(paired[side]))
              for side in ("baseline", "trained")]
     figure = plot_paired_scenarios(paired) if paired.get("scenarios") else None
     return {"figure": figure, **reply_changes(*sides, top=top)}
@@ -256,10 +256,10 @@ def run_replies(run_dir: str | Path) -> pd.DataFrame:
     run_dir = Path(run_dir)
     parts = []
     for label in ("baseline", "trained"):
-        recs = scored_records(run_dir / "eval" / label / "dialogues.jsonl")
+        recs = scored_records(RunFolder(run_dir).eval_dialogues(label))
         if recs:
             parts.append(_turns_of(recs).assign(source=label, step=np.nan))
-    for path in sorted((run_dir / "train" / "dialogues").glob("step_*.jsonl")):
+    for path in RunFolder(run_dir).step_dialogues():
         step = _step_of(path)
         recs = scored_records(path)
         if recs:

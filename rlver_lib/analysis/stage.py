@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from rlver_lib.analysis.cells import write_table
+from rlver_lib.analysis.cells import ANNOTATIONS, write_table
 from rlver_lib.analysis.hacking import (
     at_fault_scenarios,
     distinct_table,
@@ -31,7 +31,7 @@ from rlver_lib.analysis.runs import run_replies, sample_replies
 from rlver_lib.analysis.strategies import (
     CONSISTENCY_PASSES,
     UNPARSED,
-    describe_judge,
+    annotator_name,
     judge_strategies,
     judge_validation,
     labelled_set_agreement,
@@ -41,20 +41,14 @@ from rlver_lib.analysis.strategies import (
     strategy_mix,
     strategy_use,
 )
-from rlver_lib.backends import ChatBackend, TransformersBackend
-from rlver_lib.evaluation.judge import build_judge, close_simulator, judge_seed
+from rlver_lib.backends import ChatBackend, TransformersBackend, close_backend
+from rlver_lib.evaluation.judge import build_judge, judge_seed
+from rlver_lib.files import RunFolder
 from rlver_lib.models import load_policy
 from rlver_lib.records import scored_records
 from rlver_lib.scenarios import load_scenarios
 
 # --------------------------------------------------------------------------- the analysis stage (notebook 06)
-
-
-def close_judge(backend: Any) -> None:
-    """Close a judge backend (a server it started, an HTTP client), if it has ``close``."""
-    close = getattr(backend, "close", None) or getattr(getattr(backend, "backend", None), "close", None)
-    if callable(close):
-        close()
 
 
 def strategy_figures(judgements: pd.DataFrame) -> list[Figure]:
@@ -113,7 +107,7 @@ def strategy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_c
     ``judge_seeds`` seeds at the judge's temperature, or 0.7 when it is greedy (the
     spread under sampling noise; :func:`self_agreement`); the judge is scored on
     ``judge_validation_n`` items of the labelled set (:func:`judge_validation`).
-    Writes ``<run>/analysis/strategy_labels.csv``.
+    Writes ``<run>/analysis/strategy_annotations.csv`` (:data:`rlver_lib.analysis.cells.ANNOTATIONS`).
     """
     a = cfg.analysis
     replies = sample_replies(run_replies(run_dir), a.judge_sample, seed=cfg.seed).reset_index(drop=True)
@@ -122,7 +116,7 @@ def strategy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_c
                                   seed=cfg.seed, temperature=judge_cfg.temperature, max_retries=judge_cfg.max_retries,
                                   **budget)
     judged = pd.concat([replies, judgements], axis=1)
-    write_table(run_dir, "strategy_labels", judged)  # the file name old run folders have
+    write_table(run_dir, ANNOTATIONS, judged)
     agreement = None
     if a.self_agreement_sample and len(replies):
         sub = replies.head(a.self_agreement_sample)
@@ -131,7 +125,7 @@ def strategy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_c
                                    temperature=judge_cfg.temperature or 0.7, **budget)
     validation = None if a.judge_validation_n == 0 else judge_validation(judge, n=a.judge_validation_n,
                                                                          seed=cfg.seed, **budget)
-    return StrategyReport(describe_judge(judge_cfg), judged, agreement, validation, labelled_set_agreement(),
+    return StrategyReport(annotator_name(judge_cfg), judged, agreement, validation, labelled_set_agreement(),
                           labelled_set_agreement(passes=CONSISTENCY_PASSES))
 
 
@@ -198,12 +192,12 @@ def injection_analysis(cfg: Any, run_dir: str | Path) -> pd.DataFrame:
     scenarios (the first ``analysis.probe_scenarios``; all when ``None``), from the
     benchmark's start emotion.  Writes ``injection_probes.csv`` (every appraisal) and
     ``injection_summary.csv`` (:func:`summarize_injection`); returns the summary."""
-    scenarios = load_scenarios(Path(run_dir) / "scenarios" / "test.jsonl")[: cfg.analysis.probe_scenarios]
+    scenarios = load_scenarios(RunFolder(run_dir).scenarios("test"))[: cfg.analysis.probe_scenarios]
     judge = build_judge(cfg.evaluation, cfg.seed)
     try:
         probes = run_injection_probes(judge, scenarios, emotion=cfg.evaluation.initial_emotion)
     finally:
-        close_simulator(judge)
+        close_backend(judge)
     summary = summarize_injection(probes, n_boot=cfg.evaluation.bootstrap_samples,
                                   confidence=cfg.evaluation.confidence, seed=cfg.seed)
     write_table(run_dir, "injection_probes", probes)
@@ -215,10 +209,10 @@ def consistency_analysis(cfg: Any, run_dir: str | Path, label: str = "trained") 
     """Re-appraise ``analysis.consistency_sample`` recorded turns of ``eval/<label>`` with the
     benchmark judge at its own seed and at seed + 1 (:func:`simulator_consistency`);
     ``None`` when the sample size is 0 or nothing was recorded."""
-    records = scored_records(Path(run_dir) / "eval" / label / "dialogues.jsonl")
+    records = scored_records(RunFolder(run_dir).eval_dialogues(label))
     if not cfg.analysis.consistency_sample or not records:
         return None
-    scenarios = load_scenarios(Path(run_dir) / "scenarios" / "test.jsonl")
+    scenarios = load_scenarios(RunFolder(run_dir).scenarios("test"))
     samples = requests_from_records(records, scenarios, n=cfg.analysis.consistency_sample, seed=cfg.seed)
     if not samples:
         return None
@@ -234,7 +228,7 @@ def consistency_analysis(cfg: Any, run_dir: str | Path, label: str = "trained") 
         return simulator_consistency(make, samples, seed=base_seed, other_seed=base_seed + 1)
     finally:
         for judge in built:
-            close_simulator(judge)
+            close_backend(judge)
 
 
 def sycophancy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_cfg: Any) -> pd.DataFrame | None:
@@ -251,7 +245,7 @@ def sycophancy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge
     scenarios = at_fault_scenarios(load_scenarios(cfg.scenarios.test))
     if not scenarios or not cfg.analysis.sycophancy_samples:
         return None
-    adapter = Path(run_dir) / "train" / "adapter"
+    adapter = RunFolder(run_dir).adapter
     policy_cfg = cfg.policy.model_copy(update={"adapter": str(adapter) if (adapter / "adapter_config.json").is_file()
                                                else None})
     model, tokenizer = load_policy(policy_cfg)

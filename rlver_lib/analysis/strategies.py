@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from rlver_lib.backends import ChatBackend, Generation, structured_batch
+from rlver_lib.backends import ChatBackend, Generation, closing_backend, structured_batch
 from rlver_lib.config import SamplingParams, StrategyJudgeConfig
 from rlver_lib.files import iter_jsonl
 from rlver_lib.models import make_simulator_backend
@@ -232,7 +233,7 @@ _INSIGHT_CUES = re.compile(r"\b(?:because|underneath|really about|the real|what 
 
 
 def rule_judgement(reply: str) -> dict[str, Any]:
-    """The deterministic lexical judgement of :class:`RuleStrategyJudge`.
+    """The deterministic lexical judgement of :class:`RuleAnnotator`.
 
     Each strategy is true when one of its cue patterns occurs (``question``: a
     question mark); ``primary`` is the strategy with the most cue matches (ties
@@ -259,7 +260,7 @@ def rule_judgement(reply: str) -> dict[str, Any]:
     }
 
 
-class RuleStrategyJudge:
+class RuleAnnotator:
     """A :class:`~rlver_lib.backends.ChatBackend` that answers a judge conversation
     (:func:`judge_conversation`) with :func:`rule_judgement` of its reply, as JSON.
 
@@ -275,7 +276,7 @@ class RuleStrategyJudge:
         return out
 
 
-def strategy_judge_config(cfg: Any) -> Any:
+def annotator_config(cfg: Any) -> Any:
     """The strategy judge's config: ``cfg.analysis.judge``, or when that is ``None`` a
     :class:`rlver_lib.config.StrategyJudgeConfig` with the backend and model settings
     of ``cfg.evaluation.judge`` and the judge defaults (greedy)."""
@@ -288,16 +289,17 @@ def strategy_judge_config(cfg: Any) -> Any:
     return StrategyJudgeConfig(**data)
 
 
-def make_strategy_judge(judge_cfg: Any, seed: int) -> ChatBackend:
-    """The judge backend: :class:`RuleStrategyJudge` for backend ``rule``, else
-    ``models.make_simulator_backend`` (the simulator's backend kinds).  Close it after
-    use when it has a ``close`` method."""
-    if judge_cfg.backend == "rule":
-        return RuleStrategyJudge()
-    return make_simulator_backend(judge_cfg, seed)
+@contextmanager
+def open_annotator(annotator_cfg: Any, seed: int) -> Iterator[ChatBackend]:
+    """The strategy annotator for the length of a ``with`` block: :class:`RuleAnnotator`
+    for backend ``rule``, else ``models.make_simulator_backend`` (the simulator's
+    backend kinds; a server it starts is stopped on the way out)."""
+    annotator = RuleAnnotator() if annotator_cfg.backend == "rule" else make_simulator_backend(annotator_cfg, seed)
+    with closing_backend(annotator):
+        yield annotator
 
 
-def describe_judge(judge_cfg: Any) -> str:
+def annotator_name(judge_cfg: Any) -> str:
     """``backend:model`` of a strategy judge, for tables and reports."""
     return "rule (lexical cues, no model)" if judge_cfg.backend == "rule" else f"{judge_cfg.backend}:{judge_cfg.model}"
 

@@ -34,8 +34,9 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from rlver_lib.backends import close_backend
 from rlver_lib.config import build_config, load_config
-from rlver_lib.evaluation.judge import build_judge, close_simulator, judge_description, judge_seed
+from rlver_lib.evaluation.judge import build_judge, judge_description, judge_seed
 from rlver_lib.files import JsonlError, atomic_write_json, iter_jsonl
 from rlver_lib.scenarios import ScenarioFileError, load_scenarios
 from rlver_lib.simulator import SimulatorRequest, apply_change
@@ -726,9 +727,9 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
-        close_simulator(judge)
+        close_backend(judge)
         if again is not None:
-            close_simulator(again)
+            close_backend(again)
     if retest_cfg is not None:
         result["retest"]["judge"] = judge_description(retest_cfg.evaluation.judge,
                                                       judge_seed(retest_cfg.evaluation, retest_cfg.seed))

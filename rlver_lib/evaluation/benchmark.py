@@ -313,7 +313,7 @@ def run_benchmark(
 
     ``simulator`` is the judge (:func:`build_judge`); ``judge`` its
     :func:`judge_description`, recorded in ``summary.json`` with the protocol.
-    Scenarios: the first ``eval_cfg.n_scenarios`` when set.  Each of
+    Scenarios: all of ``scenarios`` (the caller cuts them to ``scenarios.limit_test``).  Each of
     ``eval_cfg.repeats`` repeats plays one dialogue per scenario with its own seed
     (repeat 0: ``seed``; repeat k: ``derive_seed(seed, "repeat", k)``, for the policy
     and the judge alike), so a baseline and a trained run see the same seeds.
@@ -327,7 +327,7 @@ def run_benchmark(
     names).  Raises ``ValueError`` when no scenarios are given, ``RuntimeError`` when
     the judge's backend died during the run.
     """
-    scenarios = list(scenarios)[: eval_cfg.n_scenarios]
+    scenarios = list(scenarios)
     if not scenarios:
         raise ValueError("run_benchmark needs at least one scenario")
     protocol = protocol_description(eval_cfg)
@@ -368,7 +368,7 @@ def run_benchmark(
     out_dir = Path(out_dir)
     write_jsonl(out_dir / "dialogues.jsonl", records)
     write_summary(summary, out_dir, label, {"judge": judge or {"backend": type(simulator).__name__},
-                                            "protocol": protocol, "character": character.summarise(records)})
+                                            "protocol": protocol, "character": character.summarize(records)})
     return BenchmarkResult(label, records, summary, out_dir)
 
 

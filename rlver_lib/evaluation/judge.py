@@ -252,7 +252,7 @@ def build_judge(eval_cfg: Any, run_seed: int) -> Any:
     (``openai``, ``llamacpp``) is asked once what it serves
     (:func:`served_model_identity`, API key from ``api_key_env``); the answer is kept as
     the simulator's ``served_model`` and recorded by :func:`judge_description`.  Close an
-    LLM judge's backend after use (:func:`close_simulator`).
+    LLM judge's backend after use (:func:`close_backend`).
     """
     import os
 
@@ -269,13 +269,6 @@ def build_judge(eval_cfg: Any, run_seed: int) -> Any:
         simulator.served_model = served
         _SERVED[_served_key(eval_cfg.judge)] = served
     return simulator
-
-
-def close_simulator(simulator: Any) -> None:
-    """Close the backend of an LLM simulator (a server it started, an HTTP client), if any."""
-    close = getattr(getattr(simulator, "backend", None), "close", None)
-    if callable(close):
-        close()
 
 
 def _comparison_key(summary: dict[str, Any]) -> tuple[str, str]:

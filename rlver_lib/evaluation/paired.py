@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from rlver_lib.evaluation.judge import check_same_judge
-from rlver_lib.files import atomic_write_json
+from rlver_lib.files import RunFolder, atomic_write_json
 from rlver_lib.records import dialogue_view, load_records
 from rlver_lib.stats import MIN_N, paired_difference
 
@@ -151,7 +151,7 @@ def write_paired(run_dir: str | Path, *, baseline: str = "baseline", trained: st
     Raises :class:`JudgeMismatchError` when the two were judged differently.
     """
     run_dir = Path(run_dir)
-    folders = {name: run_dir / "eval" / name for name in (baseline, trained)}
+    folders = {name: RunFolder(run_dir).eval_dir(name) for name in (baseline, trained)}
     if not all((f / "dialogues.jsonl").is_file() for f in folders.values()):
         return None
     summaries = {name: json.loads((f / "summary.json").read_text(encoding="utf-8"))
@@ -162,7 +162,7 @@ def write_paired(run_dir: str | Path, *, baseline: str = "baseline", trained: st
                                    load_records(folders[trained] / "dialogues.jsonl"),
                                    n_boot=n_boot, confidence=confidence, seed=seed)
     summary = summaries.get(trained, {})
-    atomic_write_json(run_dir / "eval" / "paired.json",
+    atomic_write_json(RunFolder(run_dir).paired,
                       {"baseline": baseline, "trained": trained, "judge": summary.get("judge"),
                        "protocol": summary.get("protocol"), **comparison.to_dict()})
     return comparison

@@ -14,11 +14,12 @@ import numpy as np
 import pandas as pd
 
 from rlver_lib import character
+from rlver_lib.backends import close_backend
 from rlver_lib.evaluation.benchmark import BenchmarkResult, BenchmarkSummary, run_benchmark
 from rlver_lib.evaluation.capability import run_lm_eval, run_retention
-from rlver_lib.evaluation.judge import build_judge, close_simulator, judge_description, judge_name, judge_seed
+from rlver_lib.evaluation.judge import build_judge, judge_description, judge_name, judge_seed
 from rlver_lib.evaluation.paired import PairedComparison, dropped_text, write_paired
-from rlver_lib.files import process_rank
+from rlver_lib.files import RunFolder, process_rank
 from rlver_lib.models import load_policy, make_policy_backend
 from rlver_lib.plots import plot_breakdown, plot_emotion_trajectories, save_figure
 from rlver_lib.scenarios import load_scenarios
@@ -42,9 +43,9 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
     than :data:`rlver_lib.stats.MIN_N` scenarios is greyed with the reason.
     Returns ``""`` when the run has no benchmark summary with figures.
     """
-    run_dir = Path(run_dir)
+    folder = RunFolder(run_dir)
     summaries = {}
-    for path in sorted((run_dir / "eval").glob("*/summary.json")):
+    for path in folder.summaries():
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
@@ -54,7 +55,7 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
     if not summaries:
         return ""
     lines = ["## Headline"]
-    paired_path = run_dir / "eval" / "paired.json"
+    paired_path = folder.paired
     paired = json.loads(paired_path.read_text(encoding="utf-8")) if paired_path.is_file() else None
     if paired:
         n = paired["n_scenarios"]
@@ -198,9 +199,10 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation | None:
     label = label or ("trained" if cfg.policy.adapter else "baseline")
     rank = process_rank()
     if rank > 0:
-        print(f"rank {rank}: the benchmark runs on rank 0 only, which writes {cfg.run_dir / 'eval' / label}")
+        print(f"rank {rank}: the benchmark runs on rank 0 only, which writes {RunFolder(cfg.run_dir).eval_dir(label)}")
         return None
-    out_dir = cfg.run_dir / "eval" / label
+    folder = RunFolder(cfg.run_dir)
+    out_dir = folder.eval_dir(label)
     model, tokenizer = load_policy(cfg.policy)
     policy = make_policy_backend(cfg.policy, model, tokenizer)
     scenarios = load_scenarios(cfg.scenarios.test)[: cfg.scenarios.limit_test]
@@ -213,8 +215,8 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation | None:
             out_dir=out_dir, label=label, max_context_tokens=cfg.policy.max_context_tokens,
             format_violation=cfg.policy.format_violation, judge=described)
     finally:
-        close_simulator(judge)
-    figures = cfg.run_dir / "figures"
+        close_backend(judge)
+    figures = folder.figures
     traj = result.summary.trajectory.assign(label=label)
     save_figure(plot_emotion_trajectories(traj), figures / f"eval_{label}_trajectory.png")
     save_figure(plot_breakdown(result.summary.breakdown),

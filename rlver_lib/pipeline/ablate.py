@@ -15,11 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tqdm import tqdm
 
 from rlver_lib.config import ConfigError, RunConfig, build_config, load_params
-from rlver_lib.evaluation.judge import JudgeMismatchError, check_same_judge
-from rlver_lib.files import atomic_write_text, process_rank
+from rlver_lib.evaluation.benchmark import protocol_description
+from rlver_lib.evaluation.judge import JudgeMismatchError, check_same_judge, judge_description, judge_seed
+from rlver_lib.files import RunFolder, atomic_write_text, process_rank
 from rlver_lib.pipeline.manifest import read_manifest
 from rlver_lib.pipeline.report import execute_notebook, limits_statement, render_report
-from rlver_lib.pipeline.run import PipelineError, diff_keys, kernel_environment, run_pipeline
+from rlver_lib.pipeline.run import PipelineError, kernel_environment, run_pipeline
 
 # --------------------------------------------------------------------------- ablations
 
@@ -101,37 +102,24 @@ def load_grid(path: str | Path, overrides: list[str] | None = None) -> tuple[Abl
     return grid, cells
 
 
-def _refuse_mixed_judges(cells: list[AblationCell]) -> None:
-    """Before anything runs: every cell must have the same ``evaluation.judge`` and
-    protocol settings, else :class:`ConfigError` naming the differing keys (a score
-    depends on its judge, so cells judged differently cannot be compared)."""
-    keys = ("judge", "protocol", "initial_emotion", "max_turns", "repeats")
-    ref = cells[0]
-    ref_eval = ref.config.evaluation.model_dump(mode="json", include=set(keys))
-    diffs: set[str] = set()
-    for cell in cells[1:]:
-        other = cell.config.evaluation.model_dump(mode="json", include=set(keys))
-        diffs |= {f"evaluation.{k}" for k in diff_keys(ref_eval, other)}
-    if diffs:
-        raise ConfigError(
-            "ablation refused: its cells would be judged differently (changed between cells: "
-            f"{', '.join(sorted(diffs))}); a comparison needs one judge and one protocol for every "
-            "cell — vary the training simulator (simulator.*) instead, or compare separate grids")
+def planned_judges(cells: list[AblationCell]) -> dict[str, dict[str, Any]]:
+    """What each cell's benchmark will record before anything runs: ``{cell: {"judge":
+    judge_description, "protocol": protocol_description}}``, for :func:`check_same_judge`."""
+    return {cell.name: {"judge": judge_description(cell.config.evaluation.judge,
+                                                   judge_seed(cell.config.evaluation, cell.config.seed)),
+                        "protocol": protocol_description(cell.config.evaluation)} for cell in cells}
 
 
-def _refuse_mixed_recorded_judges(grid_dir: Path, cells: list[AblationCell]) -> None:
-    """After the cells ran: the judges and protocols their ``summary.json`` files record
-    must agree (catches cells resumed from older runs); else :class:`PipelineError`."""
+def recorded_judges(grid_dir: Path, cells: list[AblationCell]) -> dict[str, dict[str, Any]]:
+    """What the cells' benchmarks recorded (``eval/<label>/summary.json`` with figures),
+    keyed ``<cell>/<label>``: catches cells resumed from older runs."""
     summaries = {}
     for cell in cells:
-        for path in sorted((grid_dir / cell.name / "eval").glob("*/summary.json")):
+        for path in RunFolder(grid_dir / cell.name).summaries():
             data = json.loads(path.read_text(encoding="utf-8") or "{}")
-            if isinstance(data.get("sentient_score"), dict):  # a benchmark with figures
+            if isinstance(data.get("sentient_score"), dict):
                 summaries[f"{cell.name}/{path.parent.name}"] = data
-    try:
-        check_same_judge(summaries)
-    except JudgeMismatchError as err:
-        raise PipelineError(f"ablation comparison refused: {err}") from None
+    return summaries
 
 
 def run_ablation(path: str | Path, overrides: list[str] | None = None,
@@ -146,25 +134,31 @@ def run_ablation(path: str | Path, overrides: list[str] | None = None,
     """
     grid, cells = load_grid(path, overrides)
     grid_dir = (Path(grid.output_root) / grid.name).resolve()
-    _refuse_mixed_judges(cells)
+    try:  # a score depends on its judge: cells judged differently cannot be compared
+        check_same_judge(planned_judges(cells))
+    except JudgeMismatchError as err:
+        raise ConfigError(f"ablation refused: its cells would be judged differently; {err}") from None
     if process_rank() > 0:  # a non-main rank of a multi-process launch: each cell's training only
         for cell in cells:
             run_pipeline(cell.config, params_file=str(path), progress=False)
-        return grid_dir / "report.html"
+        return RunFolder(grid_dir).report
     atomic_write_text(grid_dir / "grid.yaml", Path(path).read_text(encoding="utf-8"))
     for cell in tqdm(cells, desc=f"ablation {grid.name}", unit="cell", disable=not progress):
         if read_manifest(grid_dir / cell.name).get("status") == "complete":
             continue
         run_pipeline(cell.config, params_file=str(path), progress=progress)
-    _refuse_mixed_recorded_judges(grid_dir, cells)
-    output = grid_dir / "notebooks" / "05_ablations.ipynb"
+    try:
+        check_same_judge(recorded_judges(grid_dir, cells))
+    except JudgeMismatchError as err:
+        raise PipelineError(f"ablation comparison refused: {err}") from None
+    output = RunFolder(grid_dir).notebooks / "05_ablations.ipynb"
     with kernel_environment(cells[0].config):
         execute_notebook("05_ablations.ipynb", output, {
             "grid_dir": str(grid_dir),
             "run_dirs": [str(grid_dir / c.name) for c in cells],
             "axes": list(grid.axes),
         })
-        return render_report([output], grid_dir / "report.html", ablation_header(grid.name, list(grid.axes), cells))
+        return render_report([output], RunFolder(grid_dir).report, ablation_header(grid.name, list(grid.axes), cells))
 
 
 def ablation_header(name: str, axes: list[str], cells: list[AblationCell]) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import psutil
 
 from rlver_lib.config import RunConfig
-from rlver_lib.files import PROJECT_ROOT
+from rlver_lib.files import PROJECT_ROOT, RunFolder
 
 _VERSIONED_PACKAGES = (
     "rlver", "torch", "transformers", "peft", "accelerate", "trl", "xgrammar",
@@ -62,7 +62,7 @@ def git_commit(root: Path = PROJECT_ROOT) -> dict[str, Any]:
 
 def read_manifest(run_dir: str | Path) -> dict[str, Any]:
     """The run's ``manifest.json`` as a dict (empty when the run has not started)."""
-    path = Path(run_dir) / "manifest.json"
+    path = RunFolder(run_dir).manifest
     if not path.exists():
         return {}
     return json.loads(path.read_text(encoding="utf-8"))

@@ -12,9 +12,9 @@ from matplotlib.figure import Figure
 
 from rlver_lib.config import RunConfig, ScenarioConfig, load_config
 from rlver_lib.evaluation.benchmark import trajectory_table
-from rlver_lib.files import PROJECT_ROOT, write_jsonl
+from rlver_lib.files import PROJECT_ROOT, RunFolder, write_jsonl
 from rlver_lib.plots import plot_emotion_trajectories
-from rlver_lib.records import dialogue_view
+from rlver_lib.records import dialogue_view, entry_mood
 from rlver_lib.rollout import Trajectory
 from rlver_lib.scenarios import BUILTIN_FILE, RunSplit, Scenario, ScenarioIssue, load_scenarios, validate_file
 
@@ -72,7 +72,7 @@ def run_scenarios(cfg: RunConfig, run_dir: str | Path, split: str) -> list[Scena
     errors of :func:`rlver_lib.scenarios.load_scenarios` for a bad file."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    written = Path(run_dir) / "scenarios" / f"{split}.jsonl"
+    written = RunFolder(run_dir).scenarios(split)
     if written.is_file():
         return load_scenarios(written)
     return load_scenarios(getattr(cfg.scenarios, split))[: getattr(cfg.scenarios, f"limit_{split}")]
@@ -83,7 +83,7 @@ def benchmark_config(cfg: RunConfig, run_dir: str | Path, adapter: str | None = 
     the run's persona-disjoint test set when the scenarios stage wrote it
     (``<run_dir>/scenarios/test.jsonl``, already limited), and ``policy.adapter`` =
     ``adapter`` (``None``: the base policy)."""
-    written = Path(run_dir) / "scenarios" / "test.jsonl"
+    written = RunFolder(run_dir).scenarios("test")
     scenarios = cfg.scenarios.model_copy(update={"test": str(written), "limit_test": None}) \
         if written.is_file() else cfg.scenarios
     return cfg.model_copy(update={"scenarios": scenarios,
@@ -93,10 +93,10 @@ def benchmark_config(cfg: RunConfig, run_dir: str | Path, adapter: str | None = 
 def write_run_scenarios(run_dir: str | Path, split: RunSplit) -> Path:
     """Write ``split.train`` / ``split.test`` to ``<run_dir>/scenarios/{train,test}.jsonl``
     (our format, what :func:`run_scenarios` reads back); returns that folder."""
-    folder = Path(run_dir) / "scenarios"
+    folder = RunFolder(run_dir)
     for name, items in (("train", split.train), ("test", split.test)):
-        write_jsonl(folder / f"{name}.jsonl", [s.to_record() for s in items])
-    return folder
+        write_jsonl(folder.scenarios(name), [s.to_record() for s in items])
+    return folder.scenarios("test").parent
 
 
 def scenario_table(scenarios: Sequence[Scenario], width: int = 100) -> pd.DataFrame:
@@ -119,13 +119,13 @@ def validate_scenario_sources(section: ScenarioConfig) -> tuple[list[str], list[
 
 def transcript_table(trajectory: Trajectory) -> pd.DataFrame:
     """One row per transcript entry: ``speaker``, ``text``; simulated-user turns add
-    ``change``, ``emotion``, ``label`` (the mood letter) and one ``appraisal.<field>``
+    ``change``, ``emotion``, ``mood`` (the mood letter) and one ``appraisal.<field>``
     column per field of the simulator's private appraisal."""
     rows = []
     for entry in trajectory.transcript:
         row = {"speaker": entry["role"], "text": entry["content"]}
         if "emotion" in entry:
-            row.update(change=entry["change"], emotion=entry["emotion"], label=entry["label"],
+            row.update(change=entry["change"], emotion=entry["emotion"], mood=entry_mood(entry),
                        **{f"appraisal.{k}": v for k, v in (entry.get("appraisal") or {}).items()})
         rows.append(row)
     return pd.DataFrame(rows)

@@ -17,7 +17,7 @@ import yaml
 from tqdm import tqdm
 
 from rlver_lib.config import ConfigError, RunConfig, dump_config
-from rlver_lib.files import PROJECT_ROOT, atomic_write_json, atomic_write_text, process_rank
+from rlver_lib.files import PROJECT_ROOT, RunFolder, atomic_write_json, atomic_write_text, process_rank
 from rlver_lib.pipeline.manifest import new_manifest, read_manifest, track_peak_memory, utc_now
 from rlver_lib.pipeline.report import execute_notebook, render_report, report_header
 
@@ -43,7 +43,7 @@ class Stage:
 
 def trained_adapter_dir(run_dir: Path) -> Path:
     """Where training saves the final LoRA adapter: ``<run>/train/adapter``."""
-    return run_dir / "train" / "adapter"
+    return RunFolder(run_dir).adapter
 
 
 def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
@@ -98,7 +98,7 @@ def prepare_run_dir(cfg: RunConfig, params_file: str | None = None) -> tuple[Pat
     ``run_name`` or delete the folder.
     """
     run_dir = cfg.run_dir.resolve()
-    config_path = run_dir / "config.yaml"
+    config_path = RunFolder(run_dir).config
     resolved = dump_config(cfg)
     if config_path.exists() and config_path.read_text(encoding="utf-8") != resolved:
         old = yaml.safe_load(config_path.read_text(encoding="utf-8"))
@@ -137,7 +137,7 @@ def run_pipeline(cfg: RunConfig, *, params_file: str | None = None,
     if rank > 0:
         return _follow_pipeline(cfg, rank)
     run_dir, manifest = prepare_run_dir(cfg, params_file)
-    manifest_path = run_dir / "manifest.json"
+    manifest_path = RunFolder(run_dir).manifest
     stages = pipeline_stages(cfg, run_dir)
     invocation = {"started": utc_now(), "finished": None,
                   "num_processes": int(os.environ.get("WORLD_SIZE", "1"))}  # processes of this launch
@@ -152,8 +152,9 @@ def run_pipeline(cfg: RunConfig, *, params_file: str | None = None,
                 manifest["stages"][stage.name]["skipped_at"] = utc_now()
                 continue
             _run_stage(cfg, run_dir, stage, manifest, manifest_path)
-        report = render_report([run_dir / "notebooks" / s.output for s in stages],
-                               run_dir / "report.html", report_header(cfg, manifest))
+        folder = RunFolder(run_dir)
+        report = render_report([folder.notebooks / s.output for s in stages],
+                               folder.report, report_header(cfg, manifest))
     invocation["finished"] = utc_now()
     manifest["status"] = "complete"
     manifest["report"] = report.name
@@ -181,7 +182,7 @@ def _follow_pipeline(cfg: RunConfig, rank: int, *, poll_s: float | None = None) 
     launcher (``torchrun``, ``accelerate launch``) stops every rank when rank 0 fails.
     Returns the path of the report rank 0 writes."""
     run_dir = cfg.run_dir.resolve()
-    report = run_dir / "report.html"
+    report = RunFolder(run_dir).report
     stage = next((s for s in pipeline_stages(cfg, run_dir) if s.name == "train"), None)
     if stage is None:
         return report
@@ -193,7 +194,7 @@ def _follow_pipeline(cfg: RunConfig, rank: int, *, poll_s: float | None = None) 
         if manifest.get("stages", {}).get("train", {}).get("status") == "running":
             break
         _follower_sleep(poll_s)
-    folder = run_dir / "notebooks" / f"rank{rank}"
+    folder = RunFolder(run_dir).notebooks / f"rank{rank}"
     atomic_write_text(folder / "config.yaml", dump_config(cfg))
     with kernel_environment(cfg):
         try:
@@ -207,12 +208,12 @@ def _follow_pipeline(cfg: RunConfig, rank: int, *, poll_s: float | None = None) 
 
 def _run_stage(cfg: RunConfig, run_dir: Path, stage: Stage, manifest: dict[str, Any],
                manifest_path: Path) -> None:
-    output = run_dir / "notebooks" / stage.output
+    output = RunFolder(run_dir).notebooks / stage.output
     record: dict[str, Any] = {"notebook": f"notebooks/{stage.output}", "status": "running",
                               "started": utc_now(), "finished": None}
     manifest["stages"][stage.name] = record
     atomic_write_json(manifest_path, manifest)
-    parameters = {"params_file": str(run_dir / "config.yaml"), "run_dir": str(run_dir),
+    parameters = {"params_file": str(RunFolder(run_dir).config), "run_dir": str(run_dir),
                   **stage.params}
     start = time.perf_counter()
     error: str | None = None

@@ -335,6 +335,6 @@ def test_transcript_table_shows_the_appraisal_of_user_turns():
     table = transcript_table(traj)
     assert table["speaker"].tolist() == ["user", "assistant", "user"]
     assert table["text"].tolist() == ["I failed again.", "That sounds hard.", "It is."]
-    assert table.loc[2, ["change", "emotion", "label", "appraisal.meaning", "appraisal.reaction"]].tolist() == \
+    assert table.loc[2, ["change", "emotion", "mood", "appraisal.meaning", "appraisal.reaction"]].tolist() == \
         [6, 46, "B", "heard", "calmer"]
     assert table.iloc[:2]["emotion"].isna().all()
