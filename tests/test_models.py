@@ -11,8 +11,18 @@ import torch
 
 from rlver_lib import models
 from rlver_lib.backends import LlamaServerBackend, OpenAIBackend, TransformersBackend
-from rlver_lib.config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, ConfigError, PolicyConfig, SimulatorConfig
+from rlver_lib.config import (
+    EMBEDDED_POLICY,
+    EMBEDDED_SIMULATOR,
+    ConfigError,
+    PolicyConfig,
+    SamplingParams,
+    SimulatorConfig,
+    load_config,
+)
 from rlver_lib.models import EmbeddedModelError, join_verified
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -224,3 +234,42 @@ def test_managed_server_timeout_grows_with_its_slots(monkeypatch, tmp_path):
     monkeypatch.setattr("rlver_lib.backends.LlamaServerBackend", Recorder)
     models.make_simulator_backend(SimulatorConfig(model=str(gguf), concurrency=16, timeout_s=120), seed=3)
     assert seen["timeout_s"] == 1920 and seen["parallel"] == 16 and seen["path"] == gguf and seen["seed"] == 3
+
+
+def test_policy_backend_factory_builds_vllm_from_the_config(monkeypatch):
+    from rlver_lib import models, vllm_backend
+    from rlver_lib.config import PolicyConfig
+
+    calls = []
+    monkeypatch.setattr(vllm_backend.VLLMBackend, "from_config",
+                        classmethod(lambda cls, cfg, path, tokenizer=None, **kw:
+                                    calls.append((cfg, path, tokenizer)) or "engine"))
+    cfg = PolicyConfig(backend="vllm")
+    assert models.make_policy_backend(cfg, object(), "the-tokenizer") == "engine"
+    assert calls == [(cfg, models.policy_model_path(cfg.model), "the-tokenizer")]
+
+
+def test_paper_simulator_section_drives_a_served_model(openai_server, monkeypatch):
+    """The recipes' `simulator.backend: openai` section, pointed at a real local
+    OpenAI-compatible server (llama.cpp over SmolLM2 standing in for `vllm serve`),
+    gets schema-valid structured replies for a batch in flight."""
+    import jsonschema
+
+    from rlver_lib.backends import OpenAIBackend
+    from rlver_lib.models import make_simulator_backend
+    from rlver_lib.simulator import REPLY_SCHEMA
+
+    cfg = load_config(ROOT / "params" / "paper-grpo-nothink-moderate.yaml",
+                      [f"simulator.base_url={openai_server}/v1", "simulator.model=smollm2",
+                       "simulator.concurrency=2"])
+    monkeypatch.delenv(cfg.simulator.api_key_env, raising=False)
+    conversations = [[{"role": "user", "content": f"Say hello to person number {i} in one short sentence."}]
+                     for i in range(3)]
+    with make_simulator_backend(cfg.simulator, seed=0) as backend:
+        assert isinstance(backend, OpenAIBackend)
+        assert backend.concurrency == 2
+        gens = backend.generate(conversations, SamplingParams(temperature=0.0, max_new_tokens=96, seed=0),
+                                json_schema=REPLY_SCHEMA)
+    assert len(gens) == 3
+    for gen in gens:
+        jsonschema.validate(json.loads(gen.text, strict=False), REPLY_SCHEMA)

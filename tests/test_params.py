@@ -1,5 +1,7 @@
-"""Every params file in the repository validates against the config schema."""
+"""Every params file validates; the eight paper recipes (value by value, the grid, their GPU
+settings) and the accelerate configs are checked here and only here."""
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -7,9 +9,11 @@ import yaml
 
 from rlver_lib.config import ConfigError, build_config, load_config, load_params, merge_params
 from rlver_lib.pipeline.ablate import load_grid
+from rlver_lib.vllm_backend import vllm_max_lora_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_DIR = ROOT / "params" / "accelerate"  # `accelerate launch --config_file` files, not run params
+PAPER_PARAMS = sorted((ROOT / "params").glob("paper-*.yaml"))
 PARAM_FILES = sorted(p for p in (ROOT / "params").rglob("*.yaml") if ACCELERATE_DIR not in p.parents) \
     + sorted((ROOT / "tests").glob("params_*.yaml"))
 
@@ -265,3 +269,57 @@ def test_policy_sampling_settings_come_from_the_policy_section():
     policy = PolicyConfig(temperature=0.7, top_p=0.9, max_new_tokens=33)
     assert policy.sampling(5) == SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=33, seed=5)
     assert policy.sampling(None).seed is None
+
+
+
+
+# ----------------------------------------------------------------- the recipes' GPU settings
+
+
+def test_eight_paper_recipes_cover_the_grid():
+    names = {p.stem for p in PAPER_PARAMS}
+    expected = {
+        f"paper-{a}-{t}-{d}"
+        for a, t, d in itertools.product(["ppo", "grpo"], ["think", "nothink"], ["moderate", "hard"])
+    }
+    assert names == expected == set(PAPER_VARIANTS)  # every recipe is checked value by value above
+
+
+@pytest.mark.parametrize("path", PAPER_PARAMS, ids=lambda p: p.stem)
+def test_paper_recipe_validates_with_paper_settings(path):
+    cfg = load_config(path)
+    _, algo, mode, difficulty = path.stem.split("-")
+    assert cfg.run_name == path.stem
+    assert cfg.training.algorithm == algo
+    assert cfg.policy.think is (mode == "think")
+    assert cfg.simulator.difficulty == difficulty
+    assert cfg.policy.model == "Qwen/Qwen2.5-7B-Instruct"
+    assert cfg.policy.backend == "vllm"
+    assert cfg.simulator.backend == "openai"
+    assert cfg.simulator.base_url == "http://localhost:8000/v1"
+    # paper settings (RLVER §4): 32 scenarios/step, GRPO n=4, T=1.0, <= 8 turns,
+    # clip 0.2, entropy 0.001, no KL
+    assert cfg.training.scenarios_per_step == 32
+    assert cfg.training.group_size == (4 if algo == "grpo" else 1)
+    assert cfg.policy.temperature == 1.0
+    assert cfg.rollout.max_turns == 8
+    assert cfg.training.clip_eps == 0.2
+    assert cfg.training.entropy_coef == 0.001
+    assert cfg.training.kl_coef == 0.0
+    assert cfg.scenarios.train == "data/rlver_profiles/train_profile.jsonl"
+    assert vllm_max_lora_rank(cfg.policy.lora.r) == cfg.policy.lora.r
+
+
+@pytest.mark.parametrize(
+    "name, distributed_type, zero_stage",
+    [("ddp", "MULTI_GPU", None), ("zero2", "DEEPSPEED", 2)],
+)
+def test_accelerate_config_parses_with_accelerate(name, distributed_type, zero_stage):
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+
+    cfg = load_config_from_file(str(ACCELERATE_DIR / f"{name}.yaml"))
+    assert isinstance(cfg, ClusterConfig)
+    assert cfg.distributed_type.value == distributed_type
+    assert str(cfg.mixed_precision) == "bf16"
+    assert cfg.num_processes >= 2
+    assert cfg.deepspeed_config.get("zero_stage") == zero_stage

@@ -8,20 +8,35 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from rlver_lib.config import PolicyConfig, build_config
+from rlver_lib.backends import BackendError
+from rlver_lib.config import PolicyConfig, SamplingParams, build_config
 from rlver_lib.vllm_backend import (
     DEFAULT_CPU_KV_CACHE_GB,
+    AdapterVersion,
     VLLMServer,
+    adapter_version,
     engine_kwargs,
+    generation_from_vllm,
+    request_seed,
     resolve_device,
+    sampling_kwargs,
     serve_command,
+    stale_adapter_dirs,
+    structured_output_kwargs,
+    vllm_max_lora_rank,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("requested, platform, cuda, expected", [
@@ -228,3 +243,146 @@ def test_server_that_dies_during_start_up_reports_its_log(tmp_path):
     with pytest.raises(RuntimeError, match=r"exited with 3 during start-up:\n.*no model here"):
         server.start()
     assert server.process is None
+
+
+# ----------------------------------------------------------------- lazy import
+
+
+def test_cpu_imports_never_import_vllm():
+    code = (
+        "import sys, rlver_lib, rlver_lib.vllm_backend, rlver_lib.models, rlver_lib.backends\n"
+        "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_backend_without_vllm_names_the_extra():
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("vLLM is installed here")
+    from rlver_lib.vllm_backend import VLLMBackend
+
+    with pytest.raises(ImportError, match=r"pip install '\.\[gpu\]'"):
+        VLLMBackend("any-model", lora_rank=8)
+
+
+# ----------------------------------------------------------------- pure helpers
+
+
+@pytest.mark.parametrize("rank, slot", [(1, 1), (2, 8), (8, 8), (9, 16), (64, 64), (300, 320), (512, 512)])
+def test_lora_rank_rounds_up_to_a_vllm_slot(rank, slot):
+    assert vllm_max_lora_rank(rank) == slot
+
+
+@pytest.mark.parametrize("rank", [0, 513])
+def test_lora_rank_out_of_range(rank):
+    with pytest.raises(ValueError):
+        vllm_max_lora_rank(rank)
+
+
+def test_adapter_versions_are_named_and_numbered_by_step(tmp_path):
+    assert adapter_version(tmp_path, 0) == AdapterVersion(0, "policy-step000000", 1, tmp_path / "policy-step000000")
+    assert adapter_version(tmp_path, 41).lora_id == 42
+    with pytest.raises(ValueError):
+        adapter_version(tmp_path, -1)
+
+
+def test_stale_adapters_are_the_oldest_by_step_number(tmp_path):
+    for step in (2, 10, 1):
+        adapter_version(tmp_path, step).path.mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "policy-step000099").write_text("a file, not a version")
+    assert stale_adapter_dirs(tmp_path, keep=2) == [tmp_path / "policy-step000001"]
+    assert stale_adapter_dirs(tmp_path, keep=3) == []
+    with pytest.raises(ValueError):
+        stale_adapter_dirs(tmp_path, keep=0)
+
+
+def test_request_seeds_differ_within_a_batch_and_reproduce():
+    seeds = [request_seed(7, i) for i in range(64)]
+    assert len(set(seeds)) == 64
+    assert seeds == [request_seed(7, i) for i in range(64)]
+    assert seeds != [request_seed(8, i) for i in range(64)]
+    assert all(0 <= s < 2**31 for s in seeds)
+    assert request_seed(None, 3) is None
+
+
+def test_sampling_translation():
+    kwargs = sampling_kwargs(SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=33, seed=5), 2, [2])
+    assert kwargs == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "max_tokens": 33,
+        "seed": request_seed(5, 2),
+        "logprobs": 0,
+        "stop_token_ids": [2],
+    }
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_kwargs(SamplingParams(top_p=0.0), 0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        sampling_kwargs(SamplingParams(max_new_tokens=0), 0)
+
+
+@dataclass
+class _Params:
+    json: dict
+
+
+def test_structured_output_for_new_and_old_vllm():
+    schema = {"type": "object", "properties": {"change": {"type": "integer"}}}
+    new = SimpleNamespace(StructuredOutputsParams=_Params, GuidedDecodingParams=_Params)
+    old = SimpleNamespace(GuidedDecodingParams=_Params)
+    assert structured_output_kwargs(new, schema) == {"structured_outputs": _Params(json=schema)}
+    assert structured_output_kwargs(old, schema) == {"guided_decoding": _Params(json=schema)}
+    assert structured_output_kwargs(new, None) == {}
+    with pytest.raises(BackendError):
+        structured_output_kwargs(SimpleNamespace(), schema)
+
+
+# ----------------------------------------------------------------- output conversion
+
+
+@dataclass
+class _Logprob:  # shaped like vllm.logprobs.Logprob
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def _request_output(token_ids, logprobs, finish_reason="stop", stop_reason=None):
+    completion = SimpleNamespace(
+        index=0, text="Hi there", token_ids=token_ids, logprobs=logprobs,
+        cumulative_logprob=None, finish_reason=finish_reason, stop_reason=stop_reason,
+    )
+    return SimpleNamespace(request_id="7", prompt="", prompt_token_ids=[1, 2, 3], outputs=[completion], finished=True)
+
+
+def test_conversion_takes_the_sampled_tokens_logprob():
+    # the sampled token at position 1 (id 9) is not the most likely one (id 4)
+    out = _request_output(
+        (5, 9, 2),
+        [{5: _Logprob(-0.1, 1)}, {4: _Logprob(-0.3, 1), 9: _Logprob(-2.5, 3)}, {2: _Logprob(-0.05, 1)}],
+        stop_reason=None,
+    )
+    gen = generation_from_vllm(out, "policy-step000003")
+    assert gen.text == "Hi there"
+    assert gen.prompt_ids == [1, 2, 3]
+    assert gen.completion_ids == [5, 9, 2]
+    assert gen.logprobs == [-0.1, -2.5, -0.05]
+    assert gen.finish_reason == "stop"
+    assert gen.meta == {"stop_reason": None, "adapter": "policy-step000003"}
+
+
+def test_conversion_maps_length_and_rejects_bad_outputs():
+    assert generation_from_vllm(_request_output((5,), [{5: _Logprob(-1.0)}], "length")).finish_reason == "length"
+    with pytest.raises(BackendError, match="abort"):
+        generation_from_vllm(_request_output((5,), [{5: _Logprob(-1.0)}], "abort"))
+    with pytest.raises(BackendError, match="log-probs"):
+        generation_from_vllm(_request_output((5, 6), None))
+    with pytest.raises(BackendError, match="log-probs"):
+        generation_from_vllm(_request_output((5, 6), [{5: _Logprob(-1.0)}]))
+    with pytest.raises(BackendError, match="sampled token 6"):
+        generation_from_vllm(_request_output((5, 6), [{5: _Logprob(-1.0)}, {4: _Logprob(-1.0)}]))
