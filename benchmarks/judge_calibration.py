@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 from rlver_lib.config import JudgeConfig
 from rlver_lib.evaluation.agreement import lane_order, load_replay, partial_spearman, sample_dialogues
 from rlver_lib.files import atomic_write_json
-from rlver_lib.simulator import SimulatorRequest, build_simulator
+from rlver_lib.models import build_simulator
+from rlver_lib.simulator import SimulatorRequest
 
 
 def fit_center_scale(scores: np.ndarray, recorded: np.ndarray) -> tuple[float, float]:

@@ -108,13 +108,13 @@ def _hf_simulator() -> Path:
 def serve(path: str, *, parallel: int, threads: int, seed: int, vllm_python: str):
     """Start the path's server; yields ``(backend, pid)``."""
     if path == "vllm":
-        from rlver_lib.vllm_backend import VLLMServer
+        from rlver_lib.vllm_backend import ServeOptions, VLLMServer
 
         # the dequantised float32 folder served as bfloat16; the KV cache holds every
         # dialogue's prompt (~1.5k tokens) with room for the prefixes it caches
-        with VLLMServer(str(_hf_simulator()), device="cpu", dtype="bfloat16", seed=seed,
-                        max_model_len=CONFIG.n_ctx, kv_cache_gb=2.0, prefix_caching=True,
-                        python=vllm_python, env={"OMP_NUM_THREADS": str(threads)}) as server, \
+        with VLLMServer(ServeOptions(str(_hf_simulator()), device="cpu", dtype="bfloat16", seed=seed,
+                                     max_model_len=CONFIG.n_ctx, kv_cache_gb=2.0, prefix_caching=True,
+                                     python=vllm_python), env={"OMP_NUM_THREADS": str(threads)}) as server, \
                 OpenAIBackend(server.base_url, server.served_model_name, timeout_s=3600, max_retries=0,
                               concurrency=parallel, response_format="json_schema") as client:
             yield client, server.process.pid

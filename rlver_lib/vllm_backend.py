@@ -21,13 +21,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from rlver_lib.backends import BackendError, Conversation, Generation, free_port
+from rlver_lib.backends import BackendError, Closing, Conversation, Generation, free_port
 from rlver_lib.config import SamplingParams
 from rlver_lib.files import atomic_directory
 
@@ -378,7 +378,7 @@ def _colocate_distributed_env() -> None:
     ensure_master_addr_port()
 
 
-class VLLMBackend:
+class VLLMBackend(Closing):
     """Policy rollouts with an in-process ``vllm.LLM`` and a per-step LoRA adapter.
 
     Args:
@@ -566,11 +566,6 @@ class VLLMBackend:
             self.llm.wake_up()
             self.asleep = False
 
-    def __enter__(self) -> "VLLMBackend":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # ------------------------------------------------------------ generation
 
@@ -644,20 +639,29 @@ class VLLMBackend:
 # --------------------------------------------------------------------------- served models
 
 
-def serve_command(
-    model: str,
-    *,
-    served_model_name: str,
-    port: int,
-    host: str = "127.0.0.1",
-    device: str = "cuda",
-    dtype: str = "auto",
-    max_model_len: int = 4096,
-    seed: int = 0,
-    kv_cache_gb: float | None = None,
-    prefix_caching: bool | None = None,
-    python: str = sys.executable,
-) -> list[str]:
+@dataclass(frozen=True)
+class ServeOptions:
+    """How a ``vllm serve`` process is started (:func:`serve_command`, :class:`VLLMServer`):
+    ``model`` (a folder or hub id), ``served_model_name`` (what ``simulator.model``
+    names), ``host``, ``port`` (``None``: :class:`VLLMServer` picks a free one),
+    ``device`` (``cuda`` or ``cpu``), ``dtype``, ``max_model_len`` (tokens), ``seed``,
+    ``kv_cache_gb`` (GiB), ``prefix_caching`` and ``python`` (the interpreter that has
+    vLLM, e.g. ``.venv-vllm/bin/python``)."""
+
+    model: str
+    served_model_name: str = "simulator"
+    host: str = "127.0.0.1"
+    port: int | None = None
+    device: str = "cuda"
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    seed: int = 0
+    kv_cache_gb: float | None = None
+    prefix_caching: bool | None = None
+    python: str = sys.executable
+
+
+def serve_command(options: ServeOptions) -> list[str]:
     """The command line of an OpenAI-compatible vLLM server (``vllm serve``).
 
     Spelled ``python -m vllm.entrypoints.openai.api_server`` because the ``vllm``
@@ -668,21 +672,23 @@ def serve_command(
     :data:`DEFAULT_CPU_KV_CACHE_GB` there. On CUDA ``prefix_caching=None`` keeps vLLM's
     default. ``python`` is the interpreter that has vLLM (another environment's, e.g.
     ``.venv-vllm/bin/python``). Raises ``ValueError`` for an unknown device or a port
-    outside 1-65535.
+    missing or outside 1-65535.
     """
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    if not 0 < port < 65536:
-        raise ValueError(f"port must be in 1-65535, got {port}")
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", served_model_name, "--host", host, "--port", str(port),
-            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed)]
-    if device == "cpu":
+    o = options
+    if o.device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {o.device!r}")
+    if o.port is None or not 0 < o.port < 65536:
+        raise ValueError(f"port must be in 1-65535, got {o.port}")
+    argv = [o.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(o.model),
+            "--served-model-name", o.served_model_name, "--host", o.host, "--port", str(o.port),
+            "--dtype", o.dtype, "--max-model-len", str(o.max_model_len), "--seed", str(o.seed)]
+    prefix_caching = o.prefix_caching
+    if o.device == "cpu":
         argv += ["--no-enable-chunked-prefill", "--enforce-eager",
-                 "--kv-cache-memory-bytes", str(int((kv_cache_gb or DEFAULT_CPU_KV_CACHE_GB) * 2**30))]
+                 "--kv-cache-memory-bytes", str(int((o.kv_cache_gb or DEFAULT_CPU_KV_CACHE_GB) * 2**30))]
         prefix_caching = bool(prefix_caching)
-    elif kv_cache_gb is not None:
-        argv += ["--kv-cache-memory-bytes", str(int(kv_cache_gb * 2**30))]
+    elif o.kv_cache_gb is not None:
+        argv += ["--kv-cache-memory-bytes", str(int(o.kv_cache_gb * 2**30))]
     if prefix_caching is not None:
         argv.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     return argv
@@ -691,14 +697,14 @@ def serve_command(
 class VLLMServer:
     """A ``vllm serve`` process on loopback, e.g. the simulated user for ``simulator.backend: openai``.
 
-    ``with VLLMServer(model_folder, device="cpu") as server:`` starts the server in
+    ``with VLLMServer(ServeOptions(model_folder, device="cpu")) as server:`` starts the server in
     its own process group, waits until ``GET /v1/models`` answers (at most
     ``startup_timeout_s`` seconds), and on exit stops the whole group (SIGTERM, then
     SIGKILL after ``stop_timeout_s``): the API server and its engine-core worker.
     ``base_url`` is ``http://host:port/v1`` (what ``simulator.base_url`` takes) and
     ``served_model_name`` is what ``simulator.model`` names. The server's output goes
-    to ``log_path`` (a temp file when ``None``). Arguments as :func:`serve_command`;
-    ``port=None`` picks a free one; ``env`` adds environment variables (on CPU
+    to ``log_path`` (a temp file when ``None``). ``options`` as :class:`ServeOptions`
+    (``port=None`` picks a free one); ``env`` adds environment variables (on CPU
     ``VLLM_CPU_OMP_THREADS_BIND`` defaults to ``nobind``). Raises ``RuntimeError`` (with the log's tail)
     when the server exits during start-up and ``TimeoutError`` when it is not ready
     in time; in both cases the process group is stopped first.
@@ -706,34 +712,23 @@ class VLLMServer:
 
     def __init__(
         self,
-        model: str,
+        options: ServeOptions,
         *,
-        served_model_name: str = "simulator",
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        device: str = "cuda",
-        dtype: str = "auto",
-        max_model_len: int = 4096,
-        seed: int = 0,
-        kv_cache_gb: float | None = None,
-        prefix_caching: bool | None = None,
-        python: str = sys.executable,
         startup_timeout_s: float = 900.0,
         stop_timeout_s: float = 30.0,
         log_path: str | Path | None = None,
         env: dict[str, str] | None = None,
     ):
-        self.host, self.port = host, port or free_port(host)
-        self.served_model_name = served_model_name
-        self.argv = serve_command(model, served_model_name=served_model_name, port=self.port, host=host,
-                                  device=device, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                                  kv_cache_gb=kv_cache_gb, prefix_caching=prefix_caching, python=python)
+        self.options = replace(options, port=options.port or free_port(options.host))
+        self.host, self.port = self.options.host, self.options.port
+        self.served_model_name = self.options.served_model_name
+        self.argv = serve_command(self.options)
         self.startup_timeout_s, self.stop_timeout_s = startup_timeout_s, stop_timeout_s
         self.log_path = Path(log_path or tempfile.mkstemp(prefix="rlver-vllm-serve-", suffix=".log")[1])
         self.env = {**os.environ, **(env or {})}
         # a multiprocessing engine of its own, whatever an in-process engine set here
         self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        if device == "cpu":
+        if options.device == "cpu":
             # vLLM's CPU default binds the worker's OpenMP threads to the cores it does not
             # reserve for the API server: one core on a 2-core machine, with OMP_NUM_THREADS
             # threads spin-waiting on it (0.4 tokens/s measured); unbound, the threads

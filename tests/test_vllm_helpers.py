@@ -23,6 +23,7 @@ from rlver_lib.config import PolicyConfig, SamplingParams, build_config
 from rlver_lib.vllm_backend import (
     DEFAULT_CPU_KV_CACHE_GB,
     AdapterVersion,
+    ServeOptions,
     VLLMServer,
     adapter_version,
     engine_kwargs,
@@ -175,22 +176,23 @@ def test_policy_config_carries_the_vllm_device():
 
 
 def test_serve_command_per_device():
-    cpu = serve_command("/models/m", served_model_name="simulator", port=8123, device="cpu", python="py")
+    cpu = serve_command(ServeOptions("/models/m", served_model_name="simulator", port=8123, device="cpu", python="py"))
     assert cpu[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
     assert cpu[cpu.index("--model") + 1] == "/models/m" and cpu[cpu.index("--port") + 1] == "8123"
     assert cpu[cpu.index("--served-model-name") + 1] == "simulator"
     assert {"--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--enforce-eager"} <= set(cpu)
     assert cpu[cpu.index("--kv-cache-memory-bytes") + 1] == str(2**30)
-    cached = serve_command("m", served_model_name="s", port=1, device="cpu", prefix_caching=True)
+    cached = serve_command(ServeOptions("m", served_model_name="s", port=1, device="cpu", prefix_caching=True))
     assert "--enable-prefix-caching" in cached and "--no-enable-prefix-caching" not in cached
-    gpu = serve_command("m", served_model_name="s", port=8000, device="cuda", python="py")
+    gpu = serve_command(ServeOptions("m", served_model_name="s", port=8000, device="cuda", python="py"))
     assert "--no-enable-chunked-prefill" not in gpu and "--kv-cache-memory-bytes" not in gpu
     assert not any("prefix-caching" in arg for arg in gpu)  # vLLM's own default on CUDA
-    assert "--no-enable-prefix-caching" in serve_command("m", served_model_name="s", port=1, prefix_caching=False)
+    uncached = serve_command(ServeOptions("m", served_model_name="s", port=1, prefix_caching=False))
+    assert "--no-enable-prefix-caching" in uncached
     with pytest.raises(ValueError, match="port"):
-        serve_command("m", served_model_name="s", port=0)
+        serve_command(ServeOptions("m", served_model_name="s", port=0))
     with pytest.raises(ValueError, match="device"):
-        serve_command("m", served_model_name="s", port=1, device="auto")
+        serve_command(ServeOptions("m", served_model_name="s", port=1, device="auto"))
 
 
 STAND_IN = textwrap.dedent("""
@@ -216,7 +218,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_server_life_cycle_stops_the_whole_process_group(tmp_path):
-    server = VLLMServer("unused", device="cpu", log_path=tmp_path / "server.log", startup_timeout_s=60,
+    server = VLLMServer(ServeOptions("unused", device="cpu"), log_path=tmp_path / "server.log", startup_timeout_s=60,
                         stop_timeout_s=10)
     assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
     assert server.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
@@ -238,7 +240,7 @@ def test_server_life_cycle_stops_the_whole_process_group(tmp_path):
 
 
 def test_server_that_dies_during_start_up_reports_its_log(tmp_path):
-    server = VLLMServer("unused", device="cpu", log_path=tmp_path / "server.log", startup_timeout_s=60)
+    server = VLLMServer(ServeOptions("unused", device="cpu"), log_path=tmp_path / "server.log", startup_timeout_s=60)
     server.argv = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
     with pytest.raises(RuntimeError, match=r"exited with 3 during start-up:\n.*no model here"):
         server.start()

@@ -40,7 +40,7 @@ import jsonschema  # noqa: E402
 from rlver_lib.config import SamplingParams, build_config  # noqa: E402
 from rlver_lib.evaluation.benchmark import run_benchmark  # noqa: E402
 from rlver_lib.simulator import UserSimulator, apply_change, appraisal_schema, reply_schema  # noqa: E402
-from rlver_lib.vllm_backend import VLLMServer  # noqa: E402
+from rlver_lib.vllm_backend import ServeOptions, VLLMServer  # noqa: E402
 
 #: Short free-text fields (characters) keep each structured answer to a few dozen tokens.
 FIELD_CHARS, MESSAGE_CHARS = 24, 48
@@ -57,8 +57,9 @@ def server(tmp_path_factory):
 
     before = child_processes()
     log = tmp_path_factory.mktemp("vllm_serve") / "server.log"
-    srv = VLLMServer(policy_model_path(EMBEDDED_POLICY), served_model_name="simulator", device="cpu",
-                     dtype="bfloat16", max_model_len=2048, seed=0, kv_cache_gb=KV_CACHE_GB, log_path=log)
+    options = ServeOptions(policy_model_path(EMBEDDED_POLICY), served_model_name="simulator", device="cpu",
+                           dtype="bfloat16", max_model_len=2048, seed=0, kv_cache_gb=KV_CACHE_GB)
+    srv = VLLMServer(options, log_path=log)
     srv.start()
     try:
         yield srv
