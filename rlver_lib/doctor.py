@@ -146,6 +146,6 @@ def report(*, policy: bool = True, simulator: bool = True, binary: Path | None =
         print(f"smoke {result.model}: {'ok' if result.ok else 'FAILED'} — {result.detail}", file=out)
     failed = [r for r in results if not r.ok]
     if failed:
-        print(f"rlver doctor: {len(failed)} smoke generation(s) failed; see docs/ARCHITECTURE.md "
-              "'Native build' (rebuild with `make native`)", file=out)
+        print(f"rlver doctor: {len(failed)} smoke generation(s) failed; see docs/SETUP.md "
+              "'The native build' (rebuild with `make native`)", file=out)
     return 1 if failed else 0

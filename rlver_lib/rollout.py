@@ -1,5 +1,5 @@
 """Batched multi-turn rollouts between the policy and a simulated user
-(the RLVER paper's dialogue rollouts; docs/ARCHITECTURE.md "rollout").
+(the RLVER paper's dialogue rollouts; docs/ARCHITECTURE.md "Code map").
 
 :func:`run_rollouts` plays many dialogues at once: the user speaks first (the
 scenario's opening line, or a generated one), then each policy turn is ONE batched
@@ -324,7 +324,7 @@ def run_rollouts(
     format_violation: Literal["keep_reply", "end_dialogue"] = "keep_reply",
     final_reply: bool = False,
 ) -> list[Trajectory]:
-    """Play ``len(scenarios) * n_per_scenario`` dialogues in lockstep (docs/ARCHITECTURE.md "rollout").
+    """Play ``len(scenarios) * n_per_scenario`` dialogues in lockstep (docs/ARCHITECTURE.md "Code map").
 
     ``max_turns``: cap on policy turns; ``initial_emotion``: starting score
     (0-100); ``sampling``: policy sampling (its seed is replaced per turn by one

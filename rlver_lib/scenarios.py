@@ -1,4 +1,4 @@
-"""Scenarios: who the simulated user is and what they secretly want (docs/ARCHITECTURE.md "scenarios").
+"""Scenarios: who the simulated user is and what they secretly want (docs/ARCHITECTURE.md "Code map").
 
 A :class:`Scenario` is a persona card, a situation, a personality type
 (``negative`` / ``passive`` / ``avoidant``) and one of the paper's eight **hidden

@@ -1,4 +1,4 @@
-"""The affective simulated user (the RLVER paper's SAGE-style "sentient agent"; docs/ARCHITECTURE.md "simulator").
+"""The affective simulated user (the RLVER paper's SAGE-style "sentient agent"; docs/ARCHITECTURE.md "Code map").
 
 The user holds an emotion score ``e`` in [0, 100] and a mood letter (:func:`mood_for`).
 After each policy reply it *appraises* the reply, the update rule runs in code
@@ -167,7 +167,7 @@ def expected_change(p_content: Sequence[float], p_guard: float, *, center: float
     and the guard's own bias on natural replies (the embedded 1.5B model answers it
     with P(yes) 0.55-0.65, docs/MEASURED.md) moves nothing. Raises ``ValueError`` on an
     empty ``p_content`` or a probability outside [0, 1]. This project's design
-    (docs/ARCHITECTURE.md "simulator").
+    (docs/ARCHITECTURE.md "Code map").
     """
     probs = [*p_content, p_guard]
     if not p_content or any(not 0.0 <= p <= 1.0 for p in probs):

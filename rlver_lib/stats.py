@@ -1,4 +1,4 @@
-"""Resampling statistics for benchmark figures (docs/ARCHITECTURE.md "evaluation").
+"""Resampling statistics for benchmark figures (docs/ARCHITECTURE.md "Code map").
 
 Shared by the benchmark, the paired baseline-vs-trained comparison, judge agreement and
 the training curves: :func:`bootstrap_ci` (independent observations),

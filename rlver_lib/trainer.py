@@ -1,5 +1,5 @@
 """The learner loop: LoRA PPO and GRPO over multi-turn dialogues (the RLVER paper's
-training; docs/ARCHITECTURE.md "algorithms, trainer").
+training; docs/ARCHITECTURE.md "Code map").
 
 Batch sizes are global and counted in dialogues (:func:`batch_problems`), so a recipe
 means the same on any number of processes. A step: sample ``scenarios_per_step``

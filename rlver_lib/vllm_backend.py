@@ -1,4 +1,4 @@
-"""In-process vLLM policy backend for GPU rollouts (docs/ARCHITECTURE.md "backends"; docs/GPU.md).
+"""In-process vLLM policy backend for GPU rollouts (docs/ARCHITECTURE.md "Code map"; docs/GPU.md).
 
 :class:`VLLMBackend` runs the policy's base model in ``vllm.LLM`` with LoRA enabled and
 generates with the *current* adapter: after every learner update the trainer calls

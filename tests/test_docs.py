@@ -74,3 +74,36 @@ def test_mentioned_names_reads_full_and_short_paths():
 def test_every_name_the_docs_mention_exists(doc):
     missing = sorted(n for n in mentioned_names(doc.read_text(encoding="utf-8"), _modules()) if not resolves(n))
     assert missing == [], f"{doc.name} names what rlver_lib does not define: {missing}"
+
+
+_SECTION_REF = re.compile(r"""(README|docs/[A-Z]+)(?:\.md)? *\(?["'“]([A-Z][^"'”\n]{2,60})["'”]""")
+
+
+def headings(doc: Path) -> list[str]:
+    """The Markdown headings of ``doc``, without their ``#`` marks."""
+    return [line.lstrip("#").strip() for line in doc.read_text(encoding="utf-8").splitlines()
+            if line.startswith("#")]
+
+
+def section_references(text: str) -> list[tuple[str, str]]:
+    """``(document, section)`` for each ``docs/NAME.md "Section"`` or ``README "Section"``
+    in ``text``; the document is a path relative to the repository."""
+    return [("README.md" if doc == "README" else doc + ".md", section) for doc, section in _SECTION_REF.findall(text)]
+
+
+def test_section_references_are_read_from_code_and_docs():
+    text = 'see docs/ARCHITECTURE.md "Code map"; docs/SETUP.md (\'The native build\'); README "Commands".'
+    assert section_references(text) == [("docs/ARCHITECTURE.md", "Code map"), ("docs/SETUP.md", "The native build"),
+                                        ("README.md", "Commands")]
+
+
+def test_every_section_a_reference_names_exists():
+    sources = [*DOCS, *(ROOT / "rlver_lib").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
+               *(ROOT / "params").rglob("*.yaml"), *(ROOT / "notebooks").glob("*.ipynb")]
+    missing = []
+    for source in sources:
+        for doc, section in section_references(source.read_text(encoding="utf-8")):
+            target = ROOT / doc
+            if not target.is_file() or not any(h.startswith(section) for h in headings(target)):
+                missing.append(f"{source.relative_to(ROOT)}: {doc} \"{section}\"")
+    assert missing == [], "references to sections that do not exist:\n" + "\n".join(missing)

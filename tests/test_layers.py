@@ -1,5 +1,5 @@
 """One-way layers: the package-internal import graph of ``rlver_lib`` has no cycle, and
-every import points down the layer order of docs/ARCHITECTURE.md ("Layers").
+every import points down the layer order of docs/ARCHITECTURE.md ("Code map").
 
 Imports are read with ``ast`` from the source, including those inside functions and
 under ``TYPE_CHECKING``: a cycle hidden in a function body is still a cycle.

@@ -18,7 +18,7 @@ correlation given the emotion before (:func:`partial_spearman`) and its within-d
 permutation test (:func:`permutation_test_partial`).  :func:`retest_noise` measures how
 much a dialogue's final emotion moves when the judge's seed changes.
 
-Nothing like this exists in SAGE or RLVER; docs/ARCHITECTURE.md ("evaluation").
+Nothing like this exists in SAGE or RLVER; docs/ARCHITECTURE.md ("Code map").
 """
 
 from __future__ import annotations
