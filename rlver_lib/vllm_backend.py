@@ -366,16 +366,18 @@ def _colocate_distributed_env() -> None:
     The engine joins this process's torch.distributed world (one vLLM engine per
     rank under ``accelerate launch``; a world of one otherwise), the way TRL's
     colocate mode does. The engine then runs in this process: no worker
-    processes are started.
+    processes are started. Outside a launcher the rendezvous port is a free one (TRL's
+    ``ensure_master_addr_port``), never torch's fixed default 29500, which another job
+    on the machine may hold; a launcher's ``MASTER_PORT`` is kept.
     """
     from accelerate import PartialState
     from trl.trainer.utils import ensure_master_addr_port
 
+    ensure_master_addr_port()  # before PartialState, which may open the process group
     state = PartialState()
     os.environ["RANK"] = str(state.process_index)
     os.environ["LOCAL_RANK"] = str(state.local_process_index)
     os.environ["WORLD_SIZE"] = str(state.num_processes)
-    ensure_master_addr_port()
 
 
 class VLLMBackend(Closing):
