@@ -248,6 +248,10 @@ class TrainingConfig(_Strict):
     is_correction: bool = True
     is_cap: float = Field(3.0, gt=0)
     format_penalty: float = Field(0.0, ge=0)
+    # the emotion reward's factor in the trained reward: -1 is the reversed-reward control
+    # (the same recipe pushed to lower the simulated user's emotion; a rise that the
+    # control does not reverse is drift, not learning); must not be 0
+    reward_scale: float = 1.0
     gradient_checkpointing: bool = False
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
@@ -260,6 +264,9 @@ class TrainingConfig(_Strict):
                 "training.kl_estimator: k1 cannot be a loss term: its gradient is ∇log π_θ whatever "
                 "the reference, with expectation 0, so kl_coef > 0 would pull nothing towards the "
                 "reference. Use kl_estimator: k3 (GRPO eq. 4) or kl_coef: 0")
+        if self.reward_scale == 0:
+            raise ValueError("training.reward_scale: 0 trains on no reward; use 1 (RLVER) or -1 (the "
+                             "reversed-reward control)")
         return self
 
 

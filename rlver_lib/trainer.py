@@ -367,13 +367,15 @@ def ppo_sample_advantages(samples: list[_Sample], rewards: dict[str, float], *, 
             s.advantages, s.returns = a, r
 
 
-def train_reward(trajectory: Any, format_penalty: float) -> float:
-    """The reward a dialogue is trained on: its reward minus ``format_penalty`` when a policy
-    turn broke the format; 0 for an ``error`` dialogue (trained only with
-    ``training.error_dialogues: zero_reward``)."""
+def train_reward(trajectory: Any, format_penalty: float, reward_scale: float = 1.0) -> float:
+    """The reward a dialogue is trained on: ``reward_scale`` x its reward (final emotion /
+    100, in [0, 1]; RLVER §3), minus ``format_penalty`` when a policy turn broke the
+    format; 0 for an ``error`` dialogue (trained only with ``training.error_dialogues:
+    zero_reward``). ``reward_scale = -1`` is the reversed-reward control
+    (``training.reward_scale``); the penalty keeps its sign either way."""
     if trajectory.termination == "error":
         return 0.0
-    return float(trajectory.reward) - (format_penalty if trajectory.format_violations else 0.0)
+    return reward_scale * float(trajectory.reward) - (format_penalty if trajectory.format_violations else 0.0)
 
 
 def batch_problems(training: TrainingConfig, num_processes: int) -> list[str]:
@@ -833,7 +835,8 @@ class Trainer:
         rest_rollout_backend(self.policy_backend)
         self._stop_if_simulator_died(trajectories)
 
-        rewards = {t.dialogue_id: train_reward(t, training.format_penalty) for t in trajectories}
+        rewards = {t.dialogue_id: train_reward(t, training.format_penalty, training.reward_scale)
+                   for t in trajectories}
         trained = [t for t in trajectories
                    if t.samples and (t.termination != "error" or training.error_dialogues == "zero_reward")]
         samples = samples_from_trajectories(trained)

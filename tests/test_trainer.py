@@ -350,6 +350,16 @@ def test_train_reward_penalises_format_and_zeroes_errors():
     assert train_reward(T(termination="success", reward=1.0, format_violations=0), 0.1) == 1.0
     assert train_reward(T(termination="max_turns", reward=0.5, format_violations=2), 0.1) == pytest.approx(0.4)
     assert train_reward(T(termination="error", reward=0.7, format_violations=1), 0.1) == 0.0
+    # the reversed-reward control: the emotion reward's sign flips, the format penalty stays a penalty
+    assert train_reward(T(termination="max_turns", reward=0.5, format_violations=2), 0.1, -1.0) == pytest.approx(-0.6)
+    assert train_reward(T(termination="error", reward=0.7, format_violations=0), 0.1, -1.0) == 0.0
+
+
+def test_reward_scale_zero_is_refused():
+    from rlver_lib.config import TrainingConfig
+
+    with pytest.raises(ValueError, match="reward_scale"):
+        TrainingConfig(reward_scale=0)
 
 
 def test_sampling_logprobs_are_aligned_with_the_policy_tokens():
@@ -597,16 +607,22 @@ def test_resume_after_interruption_reproduces_metrics(tmp_path):
 @pytest.mark.parametrize("algorithm,extra", [
     ("grpo", {}),
     ("ppo", {"vf_coef": 0.1, "value_learning_rate": 1e-3}),
-])
-def test_learner_raises_reward_of_real_policy(tmp_path, algorithm, extra):
-    """Rule simulator: +10 if the reply starts with "I", else -10 (reward 0.6 vs 0.4)."""
+    ("grpo", {"reward_scale": -1.0}),  # the reversed-reward control must lower the reward
+], ids=["grpo", "ppo", "grpo-reversed"])
+def test_learner_moves_reward_of_real_policy_the_way_it_is_told(tmp_path, algorithm, extra):
+    """Rule simulator: +10 if the reply starts with "I", else -10 (reward 0.6 vs 0.4):
+    trained on the reward, the share of such replies rises. The reversed-reward control
+    (``reward_scale: -1``) meets the opposite simulator (-10 for "I", +10 otherwise), so
+    the share of "I" replies must rise there too, while the logged emotion reward
+    (``reward_mean``, never the scaled one) falls; ignoring the scale would lower it."""
     torch.set_num_threads(2)
+    scale = extra.get("reward_scale", 1.0)
     cfg = _cfg(tmp_path, algorithm, algorithm=algorithm, steps=6, scenarios_per_step=2, group_size=4,
                mini_batch_size=8, learning_rate=5e-3, checkpoint_every=100, entropy_coef=0.0, **extra)
-    rows = Trainer(cfg, _scenarios(4), simulator=RuleSimulator(starts_with_i)).train()
+    rows = Trainer(cfg, _scenarios(4), simulator=RuleSimulator(lambda reply: scale * starts_with_i(reply))).train()
     curve = [round(r["reward_mean"], 3) for r in rows]
-    print(f"{algorithm} reward curve: {curve}")
-    share_i = [(r - 0.4) / 0.2 for r in curve]  # share of replies starting with "I"
+    print(f"{algorithm} {extra} reward curve: {curve}")
+    share_i = [(r - 0.4) / 0.2 if scale > 0 else (0.6 - r) / 0.2 for r in curve]  # replies starting with "I"
     assert np.mean(share_i[-3:]) >= np.mean(share_i[:2]) + 0.3, curve
 
 
@@ -614,16 +630,6 @@ def test_learner_raises_reward_of_real_policy(tmp_path, algorithm, extra):
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "params").glob("paper-*.yaml"))
 RLVER_TRAIN_PROFILES = 500  # train_profile.jsonl of the RLVER release
-
-
-def test_there_are_eight_paper_recipes():
-    assert len(RECIPES) == 8
-    hard = {p.stem.removesuffix("-hard"): load_config(p) for p in RECIPES if p.stem.endswith("-hard")}
-    for stem, cfg in hard.items():  # each hard recipe differs from its moderate twin in difficulty only
-        twin = load_config(RECIPES[0].parent / f"{stem}-moderate.yaml")
-        assert cfg.simulator.difficulty == "hard" and twin.simulator.difficulty == "moderate"
-        strip = {"run_name": True, "simulator": {"difficulty": True}}
-        assert cfg.model_dump(exclude=strip) == twin.model_dump(exclude=strip)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
