@@ -35,11 +35,6 @@ def policy_turns(record: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-# --------------------------------------------------------------------------- replies of a run
-
-
-def scored_records(path: Path) -> list[dict[str, Any]]:
-    return [r for r in load_records(path) if r.get("termination") != "error"] if path.is_file() else []
 UNKNOWN = "unknown"
 
 
@@ -157,6 +152,12 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
             raise RecordError(f"{path}:{line}: {err}") from None
         records.append(record)
     return records
+
+
+def scored_records(path: Path) -> list[dict[str, Any]]:
+    """The records of ``path`` (:func:`load_records`) that did not end in a simulator
+    error, i.e. those a benchmark scores; ``[]`` when the file does not exist."""
+    return [r for r in load_records(path) if r.get("termination") != "error"] if path.is_file() else []
 
 
 def entry_mood(entry: dict[str, Any]) -> str | None:

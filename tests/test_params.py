@@ -285,6 +285,14 @@ def test_eight_paper_recipes_cover_the_grid():
     assert names == expected == set(PAPER_VARIANTS)  # every recipe is checked value by value above
 
 
+@pytest.mark.parametrize("hard", [p for p in PAPER_PARAMS if p.stem.endswith("-hard")], ids=lambda p: p.stem)
+def test_hard_recipe_differs_from_its_moderate_twin_in_difficulty_only(hard):
+    cfg, twin = load_config(hard), load_config(hard.with_name(hard.name.replace("-hard", "-moderate")))
+    assert cfg.simulator.difficulty == "hard" and twin.simulator.difficulty == "moderate"
+    strip = {"run_name": True, "simulator": {"difficulty": True}}
+    assert cfg.model_dump(exclude=strip) == twin.model_dump(exclude=strip)
+
+
 @pytest.mark.parametrize("path", PAPER_PARAMS, ids=lambda p: p.stem)
 def test_paper_recipe_validates_with_paper_settings(path):
     cfg = load_config(path)

@@ -174,7 +174,8 @@ def test_peak_memory_includes_child_processes():
     assert peak["peak_rss_mb"] - baseline["peak_rss_mb"] > 250
 
 
-def test_ablation_skips_finished_cells(tmp_path, notebooks):
+def scenarios_grid(tmp_path, axis: str, values: list[str]):
+    """A grid file of rule-simulator cells that run the scenarios stage only, over one axis."""
     grid = tmp_path / "grid.yaml"
     grid.write_text(textwrap.dedent(f"""
         name: g
@@ -183,8 +184,20 @@ def test_ablation_skips_finished_cells(tmp_path, notebooks):
           simulator: {{backend: rule}}
           stages: [scenarios]
         axes:
-          training.algorithm: [grpo, ppo]
+          {axis}: [{', '.join(values)}]
     """))
+    return grid
+
+
+def test_ablation_over_the_judge_is_refused_before_anything_runs(tmp_path):
+    grid = scenarios_grid(tmp_path, "evaluation.judge.difficulty", ["moderate", "hard"])
+    with pytest.raises(ConfigError, match=r"judged differently.*evaluation\.judge"):
+        run_ablation(grid, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_ablation_skips_finished_cells(tmp_path, notebooks):
+    grid = scenarios_grid(tmp_path, "training.algorithm", ["grpo", "ppo"])
     report = run_ablation(grid, progress=False)
     grid_dir = tmp_path / "out" / "g"
     cells = ["algorithm-grpo", "algorithm-ppo"]
