@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +24,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(VLLM_TEST_
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def standalone_env() -> dict[str, str]:
+    """This process's environment without the torch.distributed rendezvous variables an
+    earlier in-process vLLM engine left here (its process group holds that port): the
+    benchmark runs as from a shell and picks a free port of its own."""
+    dist = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}
+    return {k: v for k, v in os.environ.items() if k not in dist}
+
+
 def test_gpu_check_on_cpu_prints_its_figures(tmp_path):
     before = child_processes()
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(out),
                            "--device", "cpu", "--batch", "2", "--max-new-tokens", "4", "--steps", "1"],
-                          capture_output=True, text=True, timeout=1800, cwd=ROOT)
+                          capture_output=True, text=True, timeout=1800, cwd=ROOT,
+                          env=standalone_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     figures = json.loads((out / "figures.json").read_text(encoding="utf-8"))
     assert figures["environment"]["vllm_device"] == "cpu" and figures["environment"]["vllm"]
