@@ -10,15 +10,17 @@ Unknown keys are errors everywhere (``extra="forbid"``).
 
 Errors: :func:`load_config` raises :class:`ConfigError` naming the file and the
 offending key (for example ``params/x.yaml: training.stepz: Extra inputs are not
-permitted``).
+permitted``), or the override that caused it (``--set training.stepz=4: unknown key
+'stepz' in training (did you mean steps?); valid keys: ...``).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -500,12 +502,71 @@ REMOVED_KEYS = {"evaluation.n_scenarios": "scenarios.limit_test"}
 """Keys a params file may still carry from an older version: ``{old: the key that replaced it}``."""
 
 
-def _format_error(source: str, err: ValidationError) -> str:
+def _section_model(parts: list[str]) -> type[BaseModel] | None:
+    """The config model of the section at dotted ``parts`` (``[]``: :class:`RunConfig`),
+    ``None`` when no such section exists."""
+    model: type[BaseModel] | None = RunConfig
+    for part in parts:
+        field = model.model_fields.get(part) if model else None
+        if field is None:
+            return None
+        model = _model_in(field.annotation)
+    return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):  # ``StrategyJudgeConfig | None``
+        found = _model_in(arg)
+        if found:
+            return found
+    return None
+
+
+def _unknown_key_hint(loc: str) -> str:
+    """``unknown key 'stepz' in training (did you mean steps?); valid keys: ...``."""
+    *section, name = loc.split(".")
+    model = _section_model(section)
+    where = f"in {'.'.join(section)}" if section else "at the top level"
+    text = f"unknown key '{name}' {where}"
+    if loc in REMOVED_KEYS:
+        return text + f" (removed: use {REMOVED_KEYS[loc]})"
+    if model is None:
+        return text
+    valid = list(model.model_fields)
+    close = difflib.get_close_matches(name, valid, n=3)
+    if close:
+        text += f" (did you mean {' or '.join(close)}?)"
+    return text + f"; valid keys: {', '.join(valid)}"
+
+
+def _override_of(loc: str, kind: str, overrides: dict[str, str]) -> str | None:
+    """The label of the override an error at ``loc`` comes from, ``None`` when it comes
+    from the params data: the override set ``loc`` or a section above it, or (an unknown
+    key) created the unknown section ``loc`` on its way down."""
+    for key, label in overrides.items():
+        if key == loc or loc.startswith(key + ".") or (
+                kind == "extra_forbidden" and key.startswith(loc + ".")):
+            return label
+    return None
+
+
+def _format_error(source: str, err: ValidationError, overrides: dict[str, str] | None = None) -> str:
+    """One line per error: ``<source>: <key>: <message>`` for the params data, or
+    ``--set <key>=<value>: ...`` for an override (its unknown key with the section's
+    valid keys and the closest of them)."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         moved = f" (removed: use {REMOVED_KEYS[loc]})" if loc in REMOVED_KEYS else ""
-        lines.append(f"{source}: {loc}: {e['msg']}{moved}")
+        label = _override_of(loc, e["type"], overrides or {}) if e["loc"] else None
+        if label is None:
+            lines.append(f"{source}: {loc}: {e['msg']}{moved}")
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"{label}: {_unknown_key_hint(loc)}")
+        else:
+            lines.append(f"{label}: {loc}: {e['msg']}")
     return "\n".join(lines)
 
 
@@ -517,17 +578,27 @@ def build_config(
     """Validate ``data`` with dotted ``overrides`` applied.
 
     ``overrides`` is a mapping ``{"training.steps": 4}`` or a list of
-    ``"key=value"`` strings. Raises :class:`ConfigError` naming every bad key.
+    ``"key=value"`` strings (``--set``). Raises :class:`ConfigError` naming every bad
+    key: an error of the data names ``source``, one an override causes names the
+    override (``--set training.stepz=4: unknown key 'stepz' in training (did you mean
+    steps?); valid keys: ...``).
     """
     data = json.loads(json.dumps(data or {}))
-    if isinstance(overrides, list):
-        overrides = dict(parse_override(o) for o in overrides)
+    if isinstance(overrides, list):  # the command line's ``--set key=value``
+        parsed = [(item, *parse_override(item)) for item in overrides]
+        labels = {key: f"--set {item.strip()}" for item, key, _ in parsed}
+        overrides = {key: value for _, key, value in parsed}
+    else:
+        labels = {key: f"override {key}" for key in overrides or {}}
     for key, value in (overrides or {}).items():
-        _set_dotted(data, key, value)
+        try:
+            _set_dotted(data, key, value)
+        except ConfigError as err:
+            raise ConfigError(f"{labels[key]}: {err}") from None
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_error(source, err)) from None
+        raise ConfigError(_format_error(source, err, labels)) from None
 
 
 def merge_params(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:

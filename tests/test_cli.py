@@ -28,6 +28,15 @@ def test_run_with_unknown_key_exits_non_zero_naming_it(tmp_path):
     assert not (tmp_path / "bad").exists()  # nothing ran
 
 
+def test_run_with_unknown_override_key_names_the_override_not_the_file(tmp_path):
+    result = rlver("run", str(ROOT / "params" / "quickstart.yaml"), "--set", "training.stepz=4",
+                   "--set", f"output_root={tmp_path}")
+    assert result.returncode == 2
+    assert "--set training.stepz=4: unknown key 'stepz' in training (did you mean steps?)" in result.stderr
+    assert "quickstart.yaml" not in result.stderr
+    assert not any(tmp_path.iterdir())  # nothing ran
+
+
 def test_run_with_bad_override_value_names_the_key(tmp_path):
     result = rlver("run", str(ROOT / "params" / "quickstart.yaml"), "--set", "training.steps=-1",
                    "--set", f"output_root={tmp_path}")
