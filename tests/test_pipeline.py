@@ -6,6 +6,7 @@ and nbconvert without loading any model (about 1 min on 2 cores: kernel start-up
 """
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -27,7 +28,7 @@ from rlver_lib.pipeline.notebook import (
     validate_scenario_sources,
     write_run_scenarios,
 )
-from rlver_lib.pipeline.report import limits_statement
+from rlver_lib.pipeline.report import NOTEBOOK_DIR, limits_statement, render_report
 from rlver_lib.pipeline.run import (
     FOLLOW_POLL_S,
     PipelineError,
@@ -133,6 +134,21 @@ def test_failing_stage_stops_keeps_partial_output_and_resumes(tmp_path, notebook
     manifest = read_manifest(run)
     assert manifest["status"] == "complete"
     assert manifest["stages"]["scenarios"]["started"] == scenarios_started  # not re-run
+
+
+def test_report_titles_the_baseline_and_trained_evaluation_apart(tmp_path):
+    template = nbformat.read(NOTEBOOK_DIR / "04_evaluation.ipynb", as_version=4)
+    assert template.cells[0].source.startswith("# 04 · Evaluation: the Sentient benchmark\n")
+    executed = []
+    for label in ("baseline", "trained"):
+        nb = nbformat.from_dict(json.loads(json.dumps(template)))
+        nb.metadata["papermill"] = {"parameters": {"label": label, "run_dir": str(tmp_path)}}
+        nb.cells = nb.cells[:1]
+        executed.append(tmp_path / f"04_evaluation_{label}.ipynb")
+        nbformat.write(nb, executed[-1])
+    html = render_report(executed, tmp_path / "report.html", "# header").read_text()
+    titles = re.findall(r"<h1[^>]*>(04 · Evaluation[^<:]*)", html)
+    assert titles == ["04 · Evaluation (baseline)", "04 · Evaluation (trained)"]
 
 
 def test_stage_without_its_output_is_not_complete(tmp_path):

@@ -45,12 +45,31 @@ def execute_notebook(template: str, output: Path, parameters: dict[str, Any],
     )
 
 
+def label_title(nb: nbformat.NotebookNode) -> None:
+    """Put an executed notebook's papermill parameter ``label`` into its title, the
+    first ``# `` heading of its first markdown cell: ``# 04 · Evaluation: the Sentient
+    benchmark`` run with ``label='trained'`` becomes ``# 04 · Evaluation (trained): the
+    Sentient benchmark``, so the template's two runs in one report read apart."""
+    label = nb.metadata.get("papermill", {}).get("parameters", {}).get("label")
+    cell = next((c for c in nb.cells if c.cell_type == "markdown"), None)
+    if not label or cell is None:
+        return
+    lines = cell.source.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("# "):
+            title, colon, rest = line.partition(":")
+            lines[i] = f"{title} ({label}){colon}{rest}"
+            cell.source = "\n".join(lines)
+            return
+
+
 def render_report(notebooks: list[Path], html_path: Path, header_markdown: str) -> Path:
     """Assemble executed notebooks into one ``report.html`` (nbconvert, code hidden).
 
-    Each notebook becomes a section; cells tagged ``report-skip``, the parameter
-    cells and stderr output (warnings, progress bars) are dropped; errors and
-    figures stay, figures embedded as data URIs.
+    Each notebook becomes a section, its title carrying its ``label`` parameter
+    (:func:`label_title`: baseline and trained evaluation); cells tagged
+    ``report-skip``, the parameter cells and stderr output (warnings, progress bars)
+    are dropped; errors and figures stay, figures embedded as data URIs.
     Written atomically; returns ``html_path``.
     """
     report = nbformat.v4.new_notebook()
@@ -59,6 +78,7 @@ def render_report(notebooks: list[Path], html_path: Path, header_markdown: str) 
         if not path.exists():
             continue
         nb = nbformat.read(path, as_version=4)
+        label_title(nb)
         report.cells.append(nbformat.v4.new_markdown_cell(f"---\n*Section from `{path.name}`*"))
         for cell in nb.cells:  # the same template may appear twice: keep cell ids unique
             cell["id"] = f"s{number}-{cell.get('id', len(report.cells))}"
