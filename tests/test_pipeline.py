@@ -112,6 +112,34 @@ def test_pipeline_writes_manifest_report_and_resumes(tmp_path, notebooks):
     assert len(again["runs"]) == 2
 
 
+def test_progress_bar_counts_the_stages_a_resume_skips(tmp_path, monkeypatch):
+    import rlver_lib.pipeline.run as run_module
+
+    cfg = _cfg(tmp_path)
+    run, manifest = prepare_run_dir(cfg)
+    for name, marker in (("scenarios", "scenarios/test.jsonl"), ("baseline", "eval/baseline/summary.json")):
+        manifest["stages"][name] = {"status": "complete"}  # finished by an earlier invocation
+        (run / marker).parent.mkdir(parents=True, exist_ok=True)
+        (run / marker).write_text("{}")
+    atomic_write_json(run / "manifest.json", manifest)
+    bars, seen, real_tqdm = [], [], run_module.tqdm
+
+    def recording_tqdm(*args, **kwargs):
+        bars.append(real_tqdm(*args, **kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(run_module, "tqdm", recording_tqdm)
+
+    def stage_runs(cfg, run_dir, stage, manifest, manifest_path):
+        seen.append((stage.name, bars[0].n, bars[0].total))
+        manifest["stages"][stage.name] = {"status": "complete"}
+
+    monkeypatch.setattr(run_module, "_run_stage", stage_runs)
+    run_pipeline(cfg, progress=True)
+    assert seen == [("analysis", 2, 3)]  # the two skipped stages already counted while analysis runs
+    assert bars[0].n == 3
+
+
 def test_failing_stage_stops_keeps_partial_output_and_resumes(tmp_path, notebooks, monkeypatch):
     cfg = _cfg(tmp_path)
     monkeypatch.setenv("FAIL_STAGE", "baseline")

@@ -144,14 +144,19 @@ def run_pipeline(cfg: RunConfig, *, params_file: str | None = None,
     manifest["runs"].append(invocation)
     manifest["status"] = "running"
     atomic_write_json(manifest_path, manifest)
-    bar = tqdm(stages, desc=f"run {cfg.run_name}", unit="stage", disable=not progress)
+    done = {stage.name for stage in stages if stage_complete(run_dir, manifest, stage)}
+    for name in done:  # finished by an earlier invocation: the bar starts at their count
+        manifest["stages"][name]["skipped_at"] = utc_now()
+    bar = tqdm(total=len(stages), initial=len(done), desc=f"run {cfg.run_name}", unit="stage",
+               disable=not progress)
     with kernel_environment(cfg):
-        for stage in bar:
-            bar.set_postfix_str(stage.name)
-            if stage_complete(run_dir, manifest, stage):
-                manifest["stages"][stage.name]["skipped_at"] = utc_now()
+        for stage in stages:
+            if stage.name in done:
                 continue
+            bar.set_postfix_str(stage.name)
             _run_stage(cfg, run_dir, stage, manifest, manifest_path)
+            bar.update(1)
+        bar.close()
         folder = RunFolder(run_dir)
         report = render_report([folder.notebooks / s.output for s in stages],
                                folder.report, report_header(cfg, manifest))
