@@ -10,7 +10,9 @@
     rlver doctor                                     CPU, native builds, threads, smoke generations
 
 Exit status: 0 on success, 2 for a bad params file or override (the key named), 1 when a
-pipeline stage fails (its cell's error printed). ``threads`` in the params, else the
+pipeline stage fails (its cell's error printed) or another process writes the run folder,
+130 on Ctrl-C and 143 on SIGTERM (both stop the run cleanly: the manifest says
+``interrupted``, one line says how to resume). ``threads`` in the params, else the
 environment, fixes ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` before any model library loads.
 """
 
@@ -18,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from rlver_lib.config import ConfigError, RunConfig, load_config
 from rlver_lib.pipeline.ablate import load_grid, run_ablation
-from rlver_lib.pipeline.run import PipelineError, run_pipeline
+from rlver_lib.pipeline.run import PipelineError, RunInterrupted, Terminated, run_pipeline, sigterm_as_interrupt
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -189,14 +192,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlver`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ConfigError as err:
-        print(f"rlver: invalid configuration:\n{err}", file=sys.stderr)
-        return 2
-    except PipelineError as err:
-        print(f"rlver: {err}", file=sys.stderr)
-        return 1
+    with sigterm_as_interrupt():  # SIGTERM unwinds like Ctrl-C: servers stop, the manifest is kept right
+        try:
+            return args.func(args)
+        except ConfigError as err:
+            print(f"rlver: invalid configuration:\n{err}", file=sys.stderr)
+            return 2
+        except PipelineError as err:
+            print(f"rlver: {err}", file=sys.stderr)
+            return 1
+        except RunInterrupted as err:
+            command = shlex.join(["rlver", *(sys.argv[1:] if argv is None else argv)])
+            print(f"rlver: {err}; to resume, run the same command again (finished stages are skipped, "
+                  f"training resumes from its last checkpoint): {command}", file=sys.stderr)
+            return err.exit_status
+        except KeyboardInterrupt as err:
+            print(f"rlver: interrupted by {'SIGTERM' if isinstance(err, Terminated) else 'SIGINT'}",
+                  file=sys.stderr)
+            return 143 if isinstance(err, Terminated) else 130
 
 
 if __name__ == "__main__":

@@ -171,6 +171,11 @@ class RunFolder:
         return self.root / "manifest.json"
 
     @property
+    def lock(self) -> Path:
+        """``run.lock``: held (``flock``) by the ``rlver run`` writing the folder; holds its pid."""
+        return self.root / "run.lock"
+
+    @property
     def report(self) -> Path:
         return self.root / "report.html"
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CONFIG_SECTIONS = {"policy", "simulator", "scenarios", "rollout", "training", "evaluation", "analysis",
                    "capability", "distributed", "judge", "lm_eval"}
-FILE_SUFFIXES = {"py", "yaml", "json", "jsonl", "md", "csv", "html", "ipynb", "png", "txt", "toml"}
+FILE_SUFFIXES = {"py", "yaml", "json", "jsonl", "md", "csv", "html", "ipynb", "png", "txt", "toml", "lock"}
 _TICKED = re.compile(r"`([A-Za-z_][\w.]*\.[A-Za-z_]\w*)(?:\([^`]*\))?`")
 
 

@@ -1,12 +1,16 @@
 """``rlver run``: the stages of a run (notebooks 01-04, 06), each executed by papermill
 into the run folder, resumed when the manifest says a stage is complete and its marker
 file exists; under a multi-process launch rank 0 runs the notebooks and other ranks
-follow the manifest (docs/ARCHITECTURE.md "Data flow").
+follow the manifest (docs/ARCHITECTURE.md "Data flow"). One process writes a run
+folder at a time (:func:`run_folder_lock`); Ctrl-C or SIGTERM stops a run cleanly
+(:func:`sigterm_as_interrupt`, :class:`RunInterrupted`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +28,76 @@ from rlver_lib.pipeline.report import execute_notebook, render_report, report_he
 
 class PipelineError(RuntimeError):
     """A stage of a run failed; the message names the stage and its executed notebook."""
+
+
+class RunFolderBusy(PipelineError):
+    """Another process holds the run folder's lock (:func:`run_folder_lock`)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C raises :class:`KeyboardInterrupt`
+    (:func:`sigterm_as_interrupt`)."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C (SIGINT) or SIGTERM after its manifest was marked
+    ``interrupted``; ``signal_name`` and ``exit_status`` (130 for SIGINT, 143 for
+    SIGTERM: 128 + the signal's number) say which."""
+
+    def __init__(self, message: str, signal_name: str, run_dir: Path):
+        super().__init__(message)
+        self.signal_name, self.run_dir = signal_name, run_dir
+        self.exit_status = 128 + int(getattr(signal, signal_name))
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside the block SIGTERM raises :class:`Terminated` in the main thread, so a
+    ``kill`` (or a scheduler's stop) unwinds like Ctrl-C: ``with`` blocks and
+    ``finally`` clauses run, papermill interrupts and shuts down the stage's kernel
+    (whose ``with`` blocks stop its llama-server) instead of leaving it orphaned. The
+    previous handler comes back on exit. Outside the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def run_folder_lock(run_dir: Path) -> Iterator[None]:
+    """Hold the run folder's lock (``run.lock``, an exclusive ``fcntl.flock``) for the
+    block, with this process's pid written in it. Raises :class:`RunFolderBusy` at once,
+    naming the folder and the holder's pid, when another process holds it. The lock
+    ends with its process, so a killed run leaves no stale lock (the file stays)."""
+    import fcntl
+
+    path = RunFolder(run_dir).lock
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+", encoding="utf-8")  # not "w": that would erase the holder's pid
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise RunFolderBusy(f"{run_dir} is being written by another rlver run (pid {holder}); "
+                            "wait for it to finish, stop it, or use another run_name") from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # releases the lock
 
 
 @dataclass(frozen=True)
@@ -132,10 +206,22 @@ def run_pipeline(cfg: RunConfig, *, params_file: str | None = None,
     see :func:`_follow_pipeline`. Raises :class:`PipelineError` (chained to
     papermill's :class:`~papermill.PapermillExecutionError`, whose message shows the
     failing cell's error) when a stage fails; the manifest records the failure.
+
+    The run holds the folder's lock throughout (:func:`run_folder_lock`; another
+    process gets :class:`RunFolderBusy`). A :class:`KeyboardInterrupt` (Ctrl-C, or
+    SIGTERM under :func:`sigterm_as_interrupt`) marks the running stage and the run
+    ``interrupted`` in the manifest and raises :class:`RunInterrupted`; running the
+    same command again resumes: finished stages are skipped, the interrupted one runs
+    again (training from its last checkpoint).
     """
     rank = process_rank()
     if rank > 0:
         return _follow_pipeline(cfg, rank)
+    with run_folder_lock(cfg.run_dir.resolve()):
+        return _run_stages(cfg, params_file, progress)
+
+
+def _run_stages(cfg: RunConfig, params_file: str | None, progress: bool) -> Path:
     run_dir, manifest = prepare_run_dir(cfg, params_file)
     manifest_path = RunFolder(run_dir).manifest
     stages = pipeline_stages(cfg, run_dir)
@@ -149,17 +235,29 @@ def run_pipeline(cfg: RunConfig, *, params_file: str | None = None,
         manifest["stages"][name]["skipped_at"] = utc_now()
     bar = tqdm(total=len(stages), initial=len(done), desc=f"run {cfg.run_name}", unit="stage",
                disable=not progress)
-    with kernel_environment(cfg):
-        for stage in stages:
-            if stage.name in done:
-                continue
-            bar.set_postfix_str(stage.name)
-            _run_stage(cfg, run_dir, stage, manifest, manifest_path)
-            bar.update(1)
+    current = None
+    try:
+        with kernel_environment(cfg):
+            for current in stages:
+                if current.name in done:
+                    continue
+                bar.set_postfix_str(current.name)
+                _run_stage(cfg, run_dir, current, manifest, manifest_path)
+                bar.update(1)
+            current = None
+            bar.close()
+            folder = RunFolder(run_dir)
+            report = render_report([folder.notebooks / s.output for s in stages],
+                                   folder.report, report_header(cfg, manifest))
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM under sigterm_as_interrupt
         bar.close()
-        folder = RunFolder(run_dir)
-        report = render_report([folder.notebooks / s.output for s in stages],
-                               folder.report, report_header(cfg, manifest))
+        name = "SIGTERM" if isinstance(err, Terminated) else "SIGINT"
+        invocation.update(finished=utc_now(), interrupted=name)
+        manifest["status"] = "interrupted"
+        atomic_write_json(manifest_path, manifest)
+        where = f"during stage '{current.name}'" if current else "between stages"
+        raise RunInterrupted(f"run interrupted by {name} {where}; {run_dir} is marked interrupted "
+                             "in manifest.json", name, run_dir) from err
     invocation["finished"] = utc_now()
     manifest["status"] = "complete"
     manifest["report"] = report.name
@@ -222,19 +320,25 @@ def _run_stage(cfg: RunConfig, run_dir: Path, stage: Stage, manifest: dict[str, 
                   **stage.params}
     start = time.perf_counter()
     error: str | None = None
+    interrupted: KeyboardInterrupt | None = None
     with track_peak_memory() as memory:
         try:
             execute_notebook(stage.notebook, output, parameters)
         except Exception as err:  # papermill's execution error or a kernel failure
             error = str(err).strip()
             cause: BaseException | None = err
+        except KeyboardInterrupt as err:  # papermill has shut the kernel down by now
+            interrupted = err
         else:
             cause = None
             if stage.marker and not (run_dir / stage.marker).exists():
                 error = f"the notebook finished but did not write {stage.marker}"
-    record.update(status="failed" if error else "complete", finished=utc_now(),
-                  wall_s=round(time.perf_counter() - start, 2),
+    status = "interrupted" if interrupted else "failed" if error else "complete"
+    record.update(status=status, finished=utc_now(), wall_s=round(time.perf_counter() - start, 2),
                   peak_rss_mb=memory["peak_rss_mb"])
+    if interrupted:
+        atomic_write_json(manifest_path, manifest)  # run_pipeline marks the run itself
+        raise interrupted
     if error:
         record["error"] = error[-4000:]
         manifest["status"] = "failed"
