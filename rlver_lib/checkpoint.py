@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlver_lib.files import atomic_write_json, commit_directory
+from rlver_lib.files import CheckpointFolder, RunFolder, atomic_write_json, commit_directory
 
-STATE_FILE = "trainer_state.json"
+STATE_FILE = CheckpointFolder(Path()).state.name  # "trainer_state.json"
 
 
 class CheckpointError(RuntimeError):
@@ -82,7 +82,7 @@ class Checkpoints:
         if not self.root.is_dir():
             return []
         return sorted(p for p in self.root.iterdir()
-                      if p.is_dir() and p.name.startswith("step_") and (p / STATE_FILE).is_file())
+                      if p.is_dir() and p.name.startswith("step_") and CheckpointFolder(p).state.is_file())
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or ``None``."""
@@ -94,7 +94,7 @@ class Checkpoints:
         ``write_extras(folder)`` and ``state`` as ``trainer_state.json``; rename into
         place and prune to ``keep``. Returns the folder."""
         accelerator = self.accelerator
-        path = self.root / f"step_{step:06d}"
+        path = self.root / RunFolder.step_name(step)
         partial = self.root / f".{path.name}.partial"
         if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
@@ -105,7 +105,7 @@ class Checkpoints:
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             write_extras(partial)
-            atomic_write_json(partial / STATE_FILE, state)
+            atomic_write_json(CheckpointFolder(partial).state, state)
             commit_directory(partial, path)
             for old in self.complete()[:-self.keep]:
                 shutil.rmtree(old)
@@ -115,7 +115,7 @@ class Checkpoints:
     @staticmethod
     def state(path: Path) -> dict[str, Any]:
         """The ``trainer_state.json`` of checkpoint ``path``."""
-        return json.loads((Path(path) / STATE_FILE).read_text(encoding="utf-8"))
+        return json.loads(CheckpointFolder(path).state.read_text(encoding="utf-8"))
 
     def load(self, path: Path) -> None:
         """Restore accelerate's state from ``path`` on every rank. Raises
@@ -135,8 +135,8 @@ class Checkpoints:
                 f"{path}: written by {saved_processes} process(es) under DeepSpeed ZeRO, resumed on "
                 f"{self.accelerator.num_processes}: ZeRO's optimizer states are partitioned per process and "
                 f"DeepSpeed cannot re-partition them. Resume with {saved_processes} processes, or move the "
-                f"checkpoints folder away and start a new run from its adapter (policy.adapter: {path / 'adapter'}; "
-                "the optimizer state is lost)")
+                f"checkpoints folder away and start a new run from its adapter "
+                f"(policy.adapter: {CheckpointFolder(path).adapter}; the optimizer state is lost)")
         if saved_processes != self.accelerator.num_processes:
             warnings.warn(f"{path}: written by {saved_processes} process(es), resumed on "
                           f"{self.accelerator.num_processes}: the RNG states of ranks without a saved state "

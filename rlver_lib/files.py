@@ -184,6 +184,10 @@ class RunFolder:
         """The executed notebooks (``rank<r>/`` inside for other ranks of a launch)."""
         return self.root / "notebooks"
 
+    def rank_notebooks(self, rank: int) -> Path:
+        """``notebooks/rank<r>/``: what another rank of a launch executed, with its ``config.yaml``."""
+        return self.notebooks / f"rank{rank}"
+
     @property
     def figures(self) -> Path:
         return self.root / "figures"
@@ -203,9 +207,17 @@ class RunFolder:
     def eval_dialogues(self, label: str) -> Path:
         return self.eval_dir(label) / "dialogues.jsonl"
 
+    def eval_summary(self, label: str) -> Path:
+        """``eval/<label>/summary.json``: the benchmark's figures and its judge."""
+        return self.eval_dir(label) / "summary.json"
+
     def summaries(self) -> list[Path]:
         """Every ``eval/<label>/summary.json``, sorted."""
         return sorted(self.eval.glob("*/summary.json"))
+
+    def eval_trajectories(self) -> list[Path]:
+        """Every ``eval/<label>/trajectory.csv``, sorted."""
+        return sorted(self.eval.glob("*/trajectory.csv"))
 
     @property
     def paired(self) -> Path:
@@ -224,11 +236,72 @@ class RunFolder:
     def metrics(self) -> Path:
         return self.train / "metrics.jsonl"
 
+    @property
+    def metrics_csv(self) -> Path:
+        """``train/metrics.csv``: :attr:`metrics` as a table."""
+        return self.train / "metrics.csv"
+
+    @property
+    def tensorboard(self) -> Path:
+        """``train/tensorboard/``: the event files when ``training.tensorboard`` is on."""
+        return self.train / "tensorboard"
+
+    @staticmethod
+    def step_name(step: int) -> str:
+        """``step_NNNNNN``: a training step's name (its dialogues file, its checkpoint folder)."""
+        return f"step_{step:06d}"
+
+    @property
+    def train_dialogues(self) -> Path:
+        """``train/dialogues/``: one ``step_NNNNNN.jsonl`` per training step."""
+        return self.train / "dialogues"
+
+    def step_dialogues_file(self, step: int, *, failed: bool = False) -> Path:
+        """``train/dialogues/step_NNNNNN.jsonl``; ``step_NNNNNN.failed.jsonl`` for the
+        dialogues of a step stopped by a dead simulator (never trained)."""
+        return self.train_dialogues / f"{self.step_name(step)}{'.failed' if failed else ''}.jsonl"
+
     def step_dialogues(self) -> list[Path]:
         """Every ``train/dialogues/step_*.jsonl``, sorted by step."""
-        return sorted((self.train / "dialogues").glob("step_*.jsonl"))
+        return sorted(self.train_dialogues.glob("step_*.jsonl"))
+
+    @property
+    def checkpoints(self) -> Path:
+        """``train/checkpoints/``: the run's checkpoints (:mod:`rlver_lib.checkpoint`)."""
+        return self.train / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        """``train/checkpoints/step_NNNNNN/``: the checkpoint after ``step`` (:class:`CheckpointFolder`)."""
+        return self.checkpoints / self.step_name(step)
 
     @property
     def adapter(self) -> Path:
         """``train/adapter/``: the final LoRA adapter."""
         return self.train / "adapter"
+
+
+@dataclass(frozen=True)
+class CheckpointFolder:
+    """Our files in one checkpoint folder, ``train/checkpoints/step_NNNNNN/``, beside
+    what accelerate saves there (:mod:`rlver_lib.checkpoint`). Paths only."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def adapter(self) -> Path:
+        """``adapter/``: the LoRA adapter at this step (``peft`` ``save_pretrained``)."""
+        return self.root / "adapter"
+
+    @property
+    def config(self) -> Path:
+        """``config.yaml``: the run's resolved config."""
+        return self.root / "config.yaml"
+
+    @property
+    def state(self) -> Path:
+        """``trainer_state.json``: step, data position, algorithm, number of processes;
+        its presence marks the checkpoint complete."""
+        return self.root / "trainer_state.json"

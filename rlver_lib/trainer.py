@@ -43,7 +43,7 @@ from rlver_lib import algorithms
 from rlver_lib.backends import ChatBackend
 from rlver_lib.checkpoint import Checkpoints
 from rlver_lib.config import ConfigError, RunConfig, TrainingConfig, dump_config, training_problems
-from rlver_lib.files import atomic_directory, atomic_write_text, iter_jsonl, write_jsonl
+from rlver_lib.files import CheckpointFolder, RunFolder, atomic_directory, atomic_write_text, iter_jsonl, write_jsonl
 
 TIMING_METRICS = ("step_time_s", "rollout_time_s", "update_time_s", "tokens_per_s",
                   "generated_tokens_per_s", "peak_memory_mb")
@@ -742,7 +742,7 @@ class Trainer:
         if problems:
             raise ConfigError("; ".join(problems))
         configure_deepspeed(self.accelerator, training)
-        self.out_dir = cfg.run_dir / "train"
+        self.folder = RunFolder(cfg.run_dir)
         set_seed(cfg.seed)
 
         self.model, self.tokenizer = build_model(cfg)
@@ -752,7 +752,7 @@ class Trainer:
         self.prepared, self.optimizer = self.accelerator.prepare(self.model, optimizer)
         self.accelerator.register_for_checkpointing(self.scheduler)
         self.collect = Collectives(self.accelerator)
-        self.checkpoints = Checkpoints(self.accelerator, self.out_dir / "checkpoints", self.model,
+        self.checkpoints = Checkpoints(self.accelerator, self.folder.checkpoints, self.model,
                                        training.keep_checkpoints)
         self.pad_id = self.tokenizer.pad_token_id
         self.policy_backend = policy_backend or make_policy_backend(cfg.policy, self.model.policy, self.tokenizer)
@@ -789,7 +789,7 @@ class Trainer:
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}")
         bar.close()
         if self.step >= training.steps:
-            self.save_adapter(self.out_dir / "adapter")
+            self.save_adapter(self.folder.adapter)
         if self._writer is not None:
             self._writer.flush()
         return self.history
@@ -805,8 +805,8 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step_NNNNNN`` (:class:`~rlver_lib.checkpoint.Checkpoints`)."""
         def extras(folder: Path) -> None:
-            self.model.policy.save_pretrained(folder / "adapter", safe_serialization=True)
-            atomic_write_text(folder / "config.yaml", dump_config(self.cfg))
+            self.model.policy.save_pretrained(CheckpointFolder(folder).adapter, safe_serialization=True)
+            atomic_write_text(CheckpointFolder(folder).config, dump_config(self.cfg))
 
         state = {"step": self.step, "data_position": self.data_position, "algorithm": self.training.algorithm,
                  "num_processes": self.accelerator.num_processes}
@@ -855,7 +855,7 @@ class Trainer:
         records = self.collect.gather([dict(t.to_record(), train_reward=rewards[t.dialogue_id],
                                      trained=t.dialogue_id in ids) for t in trajectories])
         if accelerator.is_main_process:
-            write_jsonl(self.out_dir / "dialogues" / f"step_{self.step:06d}.jsonl",
+            write_jsonl(self.folder.step_dialogues_file(self.step),
                         [{k: v for k, v in r.items() if k not in ("train_reward", "trained")} | {"step": self.step}
                          for r in records])
         return step_metrics(records, sums, update, step=self.step, data_position=self.data_position,
@@ -873,12 +873,12 @@ class Trainer:
             return
         records = self.collect.gather([t.to_record() | {"step": self.step} for t in trajectories])
         if self.accelerator.is_main_process:
-            write_jsonl(self.out_dir / "dialogues" / f"step_{self.step:06d}.failed.jsonl", records)
+            write_jsonl(self.folder.step_dialogues_file(self.step, failed=True), records)
         last = self.checkpoints.latest()
         raise TrainerError(
             f"step {self.step}: the simulated user's backend died ({fatal or 'on another process'}); "
             f"nothing of this step was trained; its dialogues are in "
-            f"{self.out_dir / 'dialogues' / f'step_{self.step:06d}.failed.jsonl'}; "
+            f"{self.folder.step_dialogues_file(self.step, failed=True)}; "
             f"last checkpoint: {last or 'none yet'}; run the same command again to resume")
 
     def _update(self, samples: list[_Sample], step_seed: int) -> dict[str, float]:
@@ -951,13 +951,13 @@ class Trainer:
         self.history.append(row)
         if not self.accelerator.is_main_process:
             return
-        write_jsonl(self.out_dir / "metrics.jsonl", self.history)
-        atomic_write_text(self.out_dir / "metrics.csv", pd.DataFrame(self.history).to_csv(index=False))
+        write_jsonl(self.folder.metrics, self.history)
+        atomic_write_text(self.folder.metrics_csv, pd.DataFrame(self.history).to_csv(index=False))
         if self.training.tensorboard:
             if self._writer is None:
                 from torch.utils.tensorboard import SummaryWriter  # lazy: optional dependency
 
-                self._writer = SummaryWriter(str(self.out_dir / "tensorboard"))
+                self._writer = SummaryWriter(str(self.folder.tensorboard))
             for key, value in row.items():
                 if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
                     self._writer.add_scalar(f"train/{key}", value, row["step"])
@@ -975,7 +975,7 @@ class Trainer:
         self.step, self.data_position = int(state["step"]), int(state["data_position"])
         # a fresh rollout engine must sample from the restored adapter
         hand_over_policy(self.policy_backend, self.model.policy, self.step)
-        metrics = self.out_dir / "metrics.jsonl"
+        metrics = self.folder.metrics
         if metrics.is_file():
             self.history = [row for _, row in iter_jsonl(metrics) if row["step"] <= self.step]
 

@@ -129,7 +129,7 @@ def eval_overview(run_dir: str | Path) -> EvalOverview | None:
     ev["estimate [interval]"] = [f"{v:.2f} [{lo:.2f}, {hi:.2f}]"
                                  for v, lo, hi in zip(ev["value"], ev["low"], ev["high"])]
     trajectories = pd.concat([pd.read_csv(p).assign(label=p.parent.name)
-                              for p in sorted(Path(run_dir).glob("eval/*/trajectory.csv"))])
+                              for p in RunFolder(run_dir).eval_trajectories()])
     fig = plot_emotion_trajectories(trajectories)
     fig.axes[0].set_title("Mean emotion per turn on the held-out benchmark")
     return EvalOverview(ev.pivot(index="metric", columns="label", values="estimate [interval]"), fig)

@@ -150,19 +150,19 @@ def write_paired(run_dir: str | Path, *, baseline: str = "baseline", trained: st
     Returns ``None`` (and writes nothing) unless both folders hold ``dialogues.jsonl``.
     Raises :class:`JudgeMismatchError` when the two were judged differently.
     """
-    run_dir = Path(run_dir)
-    folders = {name: RunFolder(run_dir).eval_dir(name) for name in (baseline, trained)}
-    if not all((f / "dialogues.jsonl").is_file() for f in folders.values()):
+    folder = RunFolder(run_dir)
+    labels = (baseline, trained)
+    if not all(folder.eval_dialogues(name).is_file() for name in labels):
         return None
-    summaries = {name: json.loads((f / "summary.json").read_text(encoding="utf-8"))
-                 for name, f in folders.items() if (f / "summary.json").is_file()}
+    summaries = {name: json.loads(folder.eval_summary(name).read_text(encoding="utf-8"))
+                 for name in labels if folder.eval_summary(name).is_file()}
     if len(summaries) == 2:
         check_same_judge(summaries)
-    comparison = paired_comparison(load_records(folders[baseline] / "dialogues.jsonl"),
-                                   load_records(folders[trained] / "dialogues.jsonl"),
+    comparison = paired_comparison(load_records(folder.eval_dialogues(baseline)),
+                                   load_records(folder.eval_dialogues(trained)),
                                    n_boot=n_boot, confidence=confidence, seed=seed)
     summary = summaries.get(trained, {})
-    atomic_write_json(RunFolder(run_dir).paired,
+    atomic_write_json(folder.paired,
                       {"baseline": baseline, "trained": trained, "judge": summary.get("judge"),
                        "protocol": summary.get("protocol"), **comparison.to_dict()})
     return comparison

@@ -127,17 +127,22 @@ def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
     ``evaluate`` evaluates the adapter trained in this run, or ``policy.adapter``
     when the run has no ``train`` stage.
     """
+    folder = RunFolder(run_dir)
     trained = trained_adapter_dir(run_dir)
     adapter = str(trained) if "train" in cfg.stages else cfg.policy.adapter
+
+    def marker(path: Path) -> str:
+        return str(path.relative_to(folder.root))
+
     every = [
-        Stage("scenarios", "01_scenarios.ipynb", "01_scenarios.ipynb", "scenarios/test.jsonl"),
+        Stage("scenarios", "01_scenarios.ipynb", "01_scenarios.ipynb", marker(folder.scenarios("test"))),
         Stage("baseline", "04_evaluation.ipynb", "04_evaluation_baseline.ipynb",
-              "eval/baseline/summary.json",
+              marker(folder.eval_summary("baseline")),
               {"label": "baseline", "adapter": cfg.policy.adapter}),
         Stage("train", "03_training.ipynb", "03_training.ipynb",
-              str(trained.relative_to(run_dir) / "adapter_config.json")),
+              marker(trained / "adapter_config.json")),
         Stage("evaluate", "04_evaluation.ipynb", "04_evaluation_trained.ipynb",
-              "eval/trained/summary.json", {"label": "trained", "adapter": adapter}),
+              marker(folder.eval_summary("trained")), {"label": "trained", "adapter": adapter}),
         Stage("analysis", "06_analysis.ipynb", "06_analysis.ipynb", None),
     ]
     return [s for s in every if s.name in cfg.stages]
@@ -297,12 +302,13 @@ def _follow_pipeline(cfg: RunConfig, rank: int, *, poll_s: float | None = None) 
         if manifest.get("stages", {}).get("train", {}).get("status") == "running":
             break
         _follower_sleep(poll_s)
-    folder = RunFolder(run_dir).notebooks / f"rank{rank}"
-    atomic_write_text(folder / "config.yaml", dump_config(cfg))
+    folder = RunFolder(run_dir).rank_notebooks(rank)
+    config = folder / RunFolder(run_dir).config.name  # this rank's copy of config.yaml
+    atomic_write_text(config, dump_config(cfg))
     with kernel_environment(cfg):
         try:
             execute_notebook(stage.notebook, folder / stage.output,
-                             {"params_file": str(folder / "config.yaml"), "run_dir": str(run_dir),
+                             {"params_file": str(config), "run_dir": str(run_dir),
                               **stage.params})
         except Exception as err:
             raise PipelineError(f"rank {rank}: stage '{stage.name}' failed\n{err}") from err
