@@ -1,4 +1,4 @@
-"""Run tables, plots, strategy-judge agreement and reward-hacking diagnostics."""
+"""Run tables, plots, strategy-annotator agreement and reward-hacking diagnostics."""
 
 from __future__ import annotations
 
@@ -43,26 +43,26 @@ from rlver_lib.analysis.runs import (
 from rlver_lib.analysis.stage import StrategyReport, describe_reliability
 from rlver_lib.analysis.strategies import (
     ABSOLVES,
+    ANNOTATION_FIELDS,
     CONSISTENCY_PASSES,
     DIMENSION_KEYS,
     DIMENSIONS,
     INDEPENDENT_PASSES,
-    JUDGE_FIELDS,
     STRATEGIES,
     STRATEGY_KEYS,
     UNPARSED,
     RuleAnnotator,
+    annotate_strategies,
+    annotation_conversation,
+    annotation_schema,
+    annotator_validation,
     cohen_kappa,
-    judge_conversation,
-    judge_strategies,
-    judge_validation,
-    judgement_schema,
     labelled_set_agreement,
     load_labelled_set,
-    parse_judgement,
+    parse_annotation,
     plot_strategy_mix,
     plot_strategy_use,
-    rule_judgement,
+    rule_annotation,
     self_agreement,
     strategy_mix,
     strategy_use,
@@ -243,7 +243,7 @@ def test_run_comparison_legend_has_one_colour_per_level(runs):
         assert bar_colours == set(legend.values())
 
 
-# --------------------------------------------------------------------------- taxonomy and judge
+# --------------------------------------------------------------------------- taxonomy and annotator
 
 
 def test_taxonomy_covers_the_paper_dimensions_and_strategy_mix():
@@ -254,48 +254,48 @@ def test_taxonomy_covers_the_paper_dimensions_and_strategy_mix():
     table = taxonomy_table()
     assert len(table) == 5 + 7 + 1 + 1
     assert table["definition"].str.len().min() > 20 and table["example"].str.len().min() > 10
-    schema = judgement_schema()
-    assert schema["required"] == list(JUDGE_FIELDS)
+    schema = annotation_schema()
+    assert schema["required"] == list(ANNOTATION_FIELDS)
     assert schema["properties"]["primary"]["enum"] == [*STRATEGY_KEYS, "other"]
-    system = judge_conversation("r", "u")[0]["content"]
+    system = annotation_conversation("r", "u")[0]["content"]
     for cat in (*DIMENSIONS, *STRATEGIES, ABSOLVES):
         assert cat.definition in system and cat.example in system
 
 
-def _judgement(primary="question", **kw):
+def _annotation(primary="question", **kw):
     out = {"primary": primary, **{k: False for k in STRATEGY_KEYS}, **{k: 0 for k in DIMENSION_KEYS},
            "absolves_user": False}
     out.update(kw)
     return out
 
 
-def test_parse_judgement_validates_every_field():
-    good = _judgement(question=True, empathic_depth=2)
-    assert parse_judgement(json.dumps(good)) == good
-    assert parse_judgement("{not json") is None
-    assert parse_judgement(json.dumps({**good, "primary": "hug"})) is None
-    assert parse_judgement(json.dumps({**good, "empathic_depth": 3})) is None
-    assert parse_judgement(json.dumps({**good, "praise": "yes"})) is None
-    assert parse_judgement(json.dumps({**good, "core_insight": True})) is None  # bool is not a rating
+def test_parse_annotation_validates_every_field():
+    good = _annotation(question=True, empathic_depth=2)
+    assert parse_annotation(json.dumps(good)) == good
+    assert parse_annotation("{not json") is None
+    assert parse_annotation(json.dumps({**good, "primary": "hug"})) is None
+    assert parse_annotation(json.dumps({**good, "empathic_depth": 3})) is None
+    assert parse_annotation(json.dumps({**good, "praise": "yes"})) is None
+    assert parse_annotation(json.dumps({**good, "core_insight": True})) is None  # bool is not a rating
     missing = dict(good)
     del missing["absolves_user"]
-    assert parse_judgement(json.dumps(missing)) is None
+    assert parse_annotation(json.dumps(missing)) is None
 
 
-def test_rule_judge_hand_cases():
-    j = rule_judgement("It sounds like you feel ignored. Anyone would be hurt. What did he say?")
+def test_rule_annotator_hand_cases():
+    j = rule_annotation("It sounds like you feel ignored. Anyone would be hurt. What did he say?")
     assert j["reflective_listening"] and j["validation"] and j["question"] and not j["advice"]
     assert j["primary"] == "reflective_listening"  # 3 cue matches (sounds like x2, you feel) beat 1 and 1
     assert j["empathic_depth"] == 2 and j["dialogue_guidance"] == 1 and j["absolves_user"] is False
-    j = rule_judgement("It's not your fault. You could try talking to HR first.")
+    j = rule_annotation("It's not your fault. You could try talking to HR first.")
     assert j["absolves_user"] and j["advice"] and j["solution_crafting"] == 1
-    assert rule_judgement("Cherry Bloodreminsights")["primary"] == "other"
-    out = RuleAnnotator().generate([judge_conversation("Well done!", "I passed")], None)
-    assert parse_judgement(out[0].text)["primary"] == "praise"
+    assert rule_annotation("Cherry Bloodreminsights")["primary"] == "other"
+    out = RuleAnnotator().generate([annotation_conversation("Well done!", "I passed")], None)
+    assert parse_annotation(out[0].text)["primary"] == "praise"
 
 
-class ScriptedJudge:
-    """Answers each judge conversation with ``answers[reply]`` (a judgement dict, or a
+class ScriptedAnnotator:
+    """Answers each annotation conversation with ``answers[reply]`` (an annotation dict, or a
     callable of the seed); replies in ``garbled`` get invalid JSON the first
     ``garble_times`` calls."""
 
@@ -305,7 +305,7 @@ class ScriptedJudge:
         self.calls = 0
 
     def generate(self, conversations, sampling, json_schema=None):
-        assert json_schema == judgement_schema()
+        assert json_schema == annotation_schema()
         self.calls += 1
         out = []
         for conv in conversations:
@@ -320,17 +320,17 @@ class ScriptedJudge:
         return out
 
 
-def test_judge_strategies_retries_then_marks_unparsed():
-    judge = ScriptedJudge({"a": _judgement("praise", praise=True), "b": _judgement()}, garbled=["a"])
-    table = judge_strategies(judge, ["a", "b"])
+def test_annotate_strategies_retries_then_marks_unparsed():
+    annotator = ScriptedAnnotator({"a": _annotation("praise", praise=True), "b": _annotation()}, garbled=["a"])
+    table = annotate_strategies(annotator, ["a", "b"])
     assert table["primary"].tolist() == ["praise", "question"] and table["parsed"].all()
-    assert judge.calls == 2
-    judge = ScriptedJudge({"a": _judgement()}, garbled=["a"], garble_times=10)
-    table = judge_strategies(judge, ["a"], max_retries=2)
+    assert annotator.calls == 2
+    annotator = ScriptedAnnotator({"a": _annotation()}, garbled=["a"], garble_times=10)
+    table = annotate_strategies(annotator, ["a"], max_retries=2)
     assert table["primary"].tolist() == [UNPARSED] and not table["parsed"].any()
-    assert judge.calls == 3
+    assert annotator.calls == 3
     with pytest.raises(ValueError):
-        judge_strategies(judge, ["a"], user_messages=["x", "y"])
+        annotate_strategies(annotator, ["a"], user_messages=["x", "y"])
 
 
 def test_cohen_kappa_hand_computed():
@@ -357,15 +357,15 @@ def test_cohen_kappa_hand_computed():
 
 def test_self_agreement_across_seeds():
     # "a" is stable; "b" flips between question and advice with the seed's parity
-    answers = {"a": _judgement("praise", praise=True),
-               "b": lambda seed: _judgement("question" if seed % 2 == 0 else "advice")}
-    table = self_agreement(ScriptedJudge(answers), ["a", "b"], [None, None], seeds=[0, 1, 2],
+    answers = {"a": _annotation("praise", praise=True),
+               "b": lambda seed: _annotation("question" if seed % 2 == 0 else "advice")}
+    table = self_agreement(ScriptedAnnotator(answers), ["a", "b"], [None, None], seeds=[0, 1, 2],
                              temperature=0.7).set_index("field")
     # pairs (0,1), (0,2), (1,2): primary agreement 1/2, 1, 1/2 -> mean 2/3
     assert table.loc["primary", "agreement"] == pytest.approx(2 / 3)
     assert table.loc["praise", "agreement"] == 1.0 and table.loc["primary", "pairs"] == 3
     with pytest.raises(ValueError):
-        self_agreement(ScriptedJudge(answers), ["a"], [None], seeds=[0], temperature=0.7)
+        self_agreement(ScriptedAnnotator(answers), ["a"], [None], seeds=[0], temperature=0.7)
 
 
 def test_labelled_set_is_real_and_independent_agreement_is_recomputed():
@@ -407,14 +407,14 @@ def test_labelled_set_needs_every_pass(tmp_path):
     assert row["b1_primary"] == "question" and row["b1_question"] and not row["b1_absolves_user"]
 
 
-def test_judge_validation_with_a_scripted_judge(tmp_path):
+def test_annotator_validation_with_a_scripted_annotator(tmp_path):
     labelled = load_labelled_set().head(12)
-    answers = {r: _judgement(p, **{p: True} if p != "other" else {})
+    answers = {r: _annotation(p, **{p: True} if p != "other" else {})
                for r, p in zip(labelled["reply"], labelled["p1_primary"])}
     wrong = labelled["reply"].iloc[0]
-    answers[wrong] = _judgement("self_disclosure" if labelled["p1_primary"].iloc[0] != "self_disclosure"
+    answers[wrong] = _annotation("self_disclosure" if labelled["p1_primary"].iloc[0] != "self_disclosure"
                                 else "praise")
-    result = judge_validation(ScriptedJudge(answers), labelled)
+    result = annotator_validation(ScriptedAnnotator(answers), labelled)
     t = result["table"].set_index(["reference", "field"])
     assert result["n"] == 12 and result["n_unparsed"] == 0
     assert set(result["table"]["reference"]) == {"p1", "b1"}
@@ -422,7 +422,7 @@ def test_judge_validation_with_a_scripted_judge(tmp_path):
     predicted = [answers[r]["primary"] for r in labelled["reply"]]
     assert t.loc[("p1", "primary"), "kappa"] == pytest.approx(cohen_kappa(list(labelled["p1_primary"]), predicted))
     assert t.loc[("b1", "primary"), "kappa"] == pytest.approx(cohen_kappa(list(labelled["b1_primary"]), predicted))
-    assert {"p1_primary", "b1_primary"} <= set(result["judgements"].columns)
+    assert {"p1_primary", "b1_primary"} <= set(result["annotations"].columns)
     report = StrategyReport("scripted", pd.DataFrame(), None, result, labelled_set_agreement(),
                               labelled_set_agreement(passes=CONSISTENCY_PASSES))
     text = describe_reliability(report)
@@ -433,10 +433,10 @@ def test_judge_validation_with_a_scripted_judge(tmp_path):
 
 
 def test_strategy_mix_use_and_plots():
-    labelled = pd.DataFrame([_judgement("question", question=True, empathic_depth=1),
-                             _judgement("question", question=True), _judgement("advice", advice=True),
-                             _judgement("praise", praise=True, question=True),
-                             _judgement("advice", advice=True, empathic_depth=2), _judgement(UNPARSED)])
+    labelled = pd.DataFrame([_annotation("question", question=True, empathic_depth=1),
+                             _annotation("question", question=True), _annotation("advice", advice=True),
+                             _annotation("praise", praise=True, question=True),
+                             _annotation("advice", advice=True, empathic_depth=2), _annotation(UNPARSED)])
     labelled["step"] = [1, 1, 1, 1, 2, 2]
     labelled["source"] = ["baseline"] * 4 + ["trained"] * 2
     mix = strategy_mix(labelled)
@@ -616,10 +616,10 @@ def test_sycophancy_on_at_fault_scenarios():
     replies = sycophancy_replies(Policy(), at_fault[:2], n_samples=2, sampling=SamplingParams(seed=0),
                                    think=False, seed=0)
     assert len(replies) == 4 and replies["user"].iloc[0] == at_fault[0].opening_line
-    judged = pd.concat([replies, judge_strategies(RuleAnnotator(), list(replies["reply"]))], axis=1)
-    judged["policy"] = "base"
-    absolved = judged["reply"].str.contains("not your fault").mean()
-    rate = sycophancy_rate(judged, n_boot=50).iloc[0]
+    annotated = pd.concat([replies, annotate_strategies(RuleAnnotator(), list(replies["reply"]))], axis=1)
+    annotated["policy"] = "base"
+    absolved = annotated["reply"].str.contains("not your fault").mean()
+    rate = sycophancy_rate(annotated, n_boot=50).iloc[0]
     assert rate["rate"] == pytest.approx(absolved) and rate["n_replies"] == 4 and rate["n_scenarios"] == 2
 
 

@@ -120,14 +120,14 @@ def write_table(run_dir: str | Path, name: str, table: pd.DataFrame) -> Path:
     return path
 
 
-def cell_strategy_figures(judgements: pd.DataFrame, factors: Sequence[str] = PAPER_AXES,
+def cell_strategy_figures(annotations: pd.DataFrame, factors: Sequence[str] = PAPER_AXES,
                           *, source: str = "trained") -> list[Figure]:
     """Strategy figures across the cells of a grid, from :func:`load_cell_tables` of
     :data:`ANNOTATIONS`: the primary mix of each run's ``source`` replies, then, for
     each factor with more than one level (think vs non-think first), the strategy
     and dimension panels side by side per level (:func:`plot_strategy_use`)."""
-    data = (judgements[(judgements["source"] == source) & (judgements["primary"] != UNPARSED)]
-            if len(judgements) else judgements)
+    data = (annotations[(annotations["source"] == source) & (annotations["primary"] != UNPARSED)]
+            if len(annotations) else annotations)
     if data.empty:
         return []
     fig = plot_strategy_mix(strategy_mix(data, by="run"), by="run", order=list(dict.fromkeys(data["run"])))

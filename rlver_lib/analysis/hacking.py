@@ -453,13 +453,13 @@ def sycophancy_replies(policy: ChatBackend, scenarios: Sequence[Any], *, n_sampl
     return pd.DataFrame(rows, columns=["scenario_id", "sample", "user", "reply"])
 
 
-def sycophancy_rate(judged: pd.DataFrame, *, by: str = "policy", n_boot: int = 1000, confidence: float = 0.95,
+def sycophancy_rate(annotated: pd.DataFrame, *, by: str = "policy", n_boot: int = 1000, confidence: float = 0.95,
                     seed: int = 0) -> pd.DataFrame:
-    """Share of replies that absolve an at-fault user (``absolves_user`` of the judge),
+    """Share of replies that absolve an at-fault user (``absolves_user`` of the strategy annotator),
     per ``by`` level: ``by, rate, low, high, n_replies, n_scenarios``; the interval
     resamples scenarios (:func:`rlver_lib.stats.cluster_bootstrap_ci`).  Unparsed
-    judgements are left out."""
-    data = judged[judged["primary"] != UNPARSED]
+    annotations are left out."""
+    data = annotated[annotated["primary"] != UNPARSED]
     rows = []
     for level, g in data.groupby(by, sort=False):
         est = cluster_bootstrap_ci(g[ABSOLVES.key].astype(float).to_numpy(), list(g["scenario_id"]),

@@ -31,9 +31,9 @@ from rlver_lib.analysis.runs import run_replies, sample_replies
 from rlver_lib.analysis.strategies import (
     CONSISTENCY_PASSES,
     UNPARSED,
+    annotate_strategies,
     annotator_name,
-    judge_strategies,
-    judge_validation,
+    annotator_validation,
     labelled_set_agreement,
     plot_strategy_mix,
     plot_strategy_use,
@@ -51,18 +51,18 @@ from rlver_lib.scenarios import load_scenarios
 # --------------------------------------------------------------------------- the analysis stage (notebook 06)
 
 
-def strategy_figures(judgements: pd.DataFrame) -> list[Figure]:
-    """The strategy figures of one run's :attr:`StrategyReport.judgements`: the primary mix
+def strategy_figures(annotations: pd.DataFrame) -> list[Figure]:
+    """The strategy figures of one run's :attr:`StrategyReport.annotations`: the primary mix
     and the strategy/dimension panels of baseline vs trained (when the run has those
     evaluations), and the primary mix over training steps (with two or more steps)."""
     figs = []
-    evals = judgements[judgements["source"].isin(["baseline", "trained"]) & (judgements["primary"] != UNPARSED)]
+    evals = annotations[annotations["source"].isin(["baseline", "trained"]) & (annotations["primary"] != UNPARSED)]
     if not evals.empty:
         order = [s for s in ("baseline", "trained") if s in set(evals["source"])]
         fig = plot_strategy_mix(strategy_mix(evals, by="source"), by="source", order=order)
         fig.axes[0].set_title("Primary strategy on the benchmark: baseline vs trained")
         figs += [fig, plot_strategy_use(strategy_use(evals, by="source"), by="source")]
-    steps = judgements[judgements["step"].notna() & (judgements["primary"] != UNPARSED)]
+    steps = annotations[annotations["step"].notna() & (annotations["primary"] != UNPARSED)]
     if steps["step"].nunique() > 1:
         fig = plot_strategy_mix(strategy_mix(steps, by="step"), by="step")
         fig.axes[0].set_title("Primary strategy over training steps")
@@ -82,55 +82,55 @@ def describe_length(summary: dict[str, float] | None) -> str:
 
 @dataclass
 class StrategyReport:
-    """What :func:`strategy_analysis` measured: the ``judge`` (description), the
-    per-reply ``judgements`` (``source``, ``step``, the reply and its judgement), the
-    judge's ``self_agreement`` across seeds and its ``validation`` against the shipped
+    """What :func:`strategy_analysis` measured: the ``annotator`` (description), the
+    per-reply ``annotations`` (``source``, ``step``, the reply and its labels), the
+    annotator's ``self_agreement`` across seeds and its ``validation`` against the shipped
     labelled set (``None`` when skipped), the set's own inter-annotator agreement
     ``labelled_set`` (:data:`INDEPENDENT_PASSES`) and annotator A's agreement with
     itself, ``labelled_set_consistency`` (:data:`CONSISTENCY_PASSES`)."""
 
-    judge: str
-    judgements: pd.DataFrame
+    annotator: str
+    annotations: pd.DataFrame
     self_agreement: pd.DataFrame | None
     validation: dict[str, Any] | None
     labelled_set: pd.DataFrame
     labelled_set_consistency: pd.DataFrame | None = None
 
 
-def strategy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_cfg: Any) -> StrategyReport:
-    """Judge the strategies of a sample of the run's policy replies and measure the judge's reliability.
+def strategy_analysis(cfg: Any, run_dir: str | Path, annotator: ChatBackend, annotator_cfg: Any) -> StrategyReport:
+    """Annotate the strategies of a sample of the run's policy replies and measure the annotator's reliability.
 
     ``cfg.analysis.judge_sample`` replies per source (baseline, each training step,
-    trained; :func:`run_replies`, :func:`sample_replies`) are judged by ``judge``
-    (:func:`judge_strategies` at ``judge_cfg``'s temperature and token budget).  The
-    first ``self_agreement_sample`` of them are judged again under
-    ``judge_seeds`` seeds at the judge's temperature, or 0.7 when it is greedy (the
-    spread under sampling noise; :func:`self_agreement`); the judge is scored on
-    ``judge_validation_n`` items of the labelled set (:func:`judge_validation`).
+    trained; :func:`run_replies`, :func:`sample_replies`) are annotated by ``annotator``
+    (:func:`annotate_strategies` at ``annotator_cfg``'s temperature and token budget).  The
+    first ``self_agreement_sample`` of them are annotated again under
+    ``judge_seeds`` seeds at the annotator's temperature, or 0.7 when it is greedy (the
+    spread under sampling noise; :func:`self_agreement`); the annotator is scored on
+    ``judge_validation_n`` items of the labelled set (:func:`annotator_validation`).
     Writes ``<run>/analysis/strategy_annotations.csv`` (:data:`rlver_lib.analysis.cells.ANNOTATIONS`).
     """
     a = cfg.analysis
     replies = sample_replies(run_replies(run_dir), a.judge_sample, seed=cfg.seed).reset_index(drop=True)
-    budget = {"max_new_tokens": judge_cfg.max_new_tokens}
-    judgements = judge_strategies(judge, list(replies["reply"]), user_messages=list(replies["user"]),
-                                  seed=cfg.seed, temperature=judge_cfg.temperature, max_retries=judge_cfg.max_retries,
-                                  **budget)
-    judged = pd.concat([replies, judgements], axis=1)
-    write_table(run_dir, ANNOTATIONS, judged)
+    budget = {"max_new_tokens": annotator_cfg.max_new_tokens}
+    annotations = annotate_strategies(annotator, list(replies["reply"]), user_messages=list(replies["user"]),
+                                      seed=cfg.seed, temperature=annotator_cfg.temperature,
+                                      max_retries=annotator_cfg.max_retries, **budget)
+    annotated = pd.concat([replies, annotations], axis=1)
+    write_table(run_dir, ANNOTATIONS, annotated)
     agreement = None
     if a.self_agreement_sample and len(replies):
         sub = replies.head(a.self_agreement_sample)
-        agreement = self_agreement(judge, list(sub["reply"]), list(sub["user"]),
+        agreement = self_agreement(annotator, list(sub["reply"]), list(sub["user"]),
                                    seeds=[cfg.seed + k for k in range(a.judge_seeds)],
-                                   temperature=judge_cfg.temperature or 0.7, **budget)
-    validation = None if a.judge_validation_n == 0 else judge_validation(judge, n=a.judge_validation_n,
-                                                                         seed=cfg.seed, **budget)
-    return StrategyReport(annotator_name(judge_cfg), judged, agreement, validation, labelled_set_agreement(),
+                                   temperature=annotator_cfg.temperature or 0.7, **budget)
+    validation = None if a.judge_validation_n == 0 else annotator_validation(annotator, n=a.judge_validation_n,
+                                                                             seed=cfg.seed, **budget)
+    return StrategyReport(annotator_name(annotator_cfg), annotated, agreement, validation, labelled_set_agreement(),
                           labelled_set_agreement(passes=CONSISTENCY_PASSES))
 
 
 def describe_reliability(report: StrategyReport) -> str:
-    """Markdown: how far the judge can be trusted, from its measured agreement."""
+    """Markdown: how far the strategy annotator can be trusted, from its measured agreement."""
     lines = []
     if report.validation is not None:
         t = report.validation["table"].set_index(["reference", "field"])
@@ -139,11 +139,11 @@ def describe_reliability(report: StrategyReport) -> str:
         kappa_b = t.loc[("b1", "primary"), "kappa"] if ("b1", "primary") in t.index else np.nan
         strength = ("no better than chance" if not np.isfinite(kappa) or kappa < 0.2 else
                     "weak" if kappa < 0.4 else "moderate" if kappa < 0.6 else "substantial")
-        lines.append(f"**Judge reliability.** The strategy judge ({report.judge}) gives the labelled set's "
+        lines.append(f"**Annotator reliability.** The strategy annotator ({report.annotator}) gives the labelled set's "
                      f"primary label on {agree:.0%} of {report.validation['n']} real policy replies "
                      f"(Cohen's κ {kappa:.2f} against annotator A: {strength}; κ {kappa_b:.2f} against "
                      f"annotator B; {report.validation['n_unparsed']} unparsed). "
-                     + ("Treat its strategy mix as indicative only; configure a stronger judge "
+                     + ("Treat its strategy mix as indicative only; configure a stronger annotator "
                         "(`analysis.judge`) for research use." if not np.isfinite(kappa) or kappa < 0.6 else ""))
     if report.self_agreement is not None:
         primary = report.self_agreement.set_index("field").loc["primary"]
@@ -231,15 +231,16 @@ def consistency_analysis(cfg: Any, run_dir: str | Path, label: str = "trained") 
             close_backend(judge)
 
 
-def sycophancy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge_cfg: Any) -> pd.DataFrame | None:
+def sycophancy_analysis(cfg: Any, run_dir: str | Path, annotator: ChatBackend,
+                        annotator_cfg: Any) -> pd.DataFrame | None:
     """How often the base and the trained policy absolve an at-fault user.
 
     ``analysis.sycophancy_samples`` replies (the policy's sampling settings) to the
     opening line of each at-fault test scenario of the run (:func:`at_fault_scenarios`
     of ``scenarios.test``, not only the run's limited test list), by the base policy
     (adapter disabled) and, when the run trained one, by ``<run>/train/adapter``;
-    judged by ``judge`` (``absolves_user``); :func:`sycophancy_rate` per policy.
-    Writes ``sycophancy.csv`` (every reply and judgement).  ``None`` when there is no
+    annotated by ``annotator`` (``absolves_user``); :func:`sycophancy_rate` per policy.
+    Writes ``sycophancy.csv`` (every reply and its labels).  ``None`` when there is no
     at-fault test scenario or the sample size is 0.
     """
     scenarios = at_fault_scenarios(load_scenarios(cfg.scenarios.test))
@@ -265,10 +266,11 @@ def sycophancy_analysis(cfg: Any, run_dir: str | Path, judge: ChatBackend, judge
     else:
         parts.append(sycophancy_replies(backend, scenarios, **kwargs).assign(policy="base"))
     replies = pd.concat(parts, ignore_index=True)
-    judgements = judge_strategies(judge, list(replies["reply"]), user_messages=list(replies["user"]),
-                                  seed=cfg.seed, temperature=judge_cfg.temperature,
-                                  max_new_tokens=judge_cfg.max_new_tokens, max_retries=judge_cfg.max_retries)
-    judged = pd.concat([replies, judgements], axis=1)
-    write_table(run_dir, "sycophancy", judged)
-    return sycophancy_rate(judged, n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence,
+    annotations = annotate_strategies(annotator, list(replies["reply"]), user_messages=list(replies["user"]),
+                                      seed=cfg.seed, temperature=annotator_cfg.temperature,
+                                      max_new_tokens=annotator_cfg.max_new_tokens,
+                                      max_retries=annotator_cfg.max_retries)
+    annotated = pd.concat([replies, annotations], axis=1)
+    write_table(run_dir, "sycophancy", annotated)
+    return sycophancy_rate(annotated, n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence,
                            seed=cfg.seed)

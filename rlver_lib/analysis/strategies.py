@@ -1,7 +1,7 @@
 """The strategy taxonomy of RLVER §5 and its annotator: an LLM (or the rule annotator)
 labels each reply's primary strategy, strategy moves and dimensions
-(:func:`judge_strategies`); the mix over training; the annotator's reliability
-(:func:`self_agreement`, :func:`judge_validation` against the shipped labelled set).
+(:func:`annotate_strategies`); the mix over training; the annotator's reliability
+(:func:`self_agreement`, :func:`annotator_validation` against the shipped labelled set).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rlver_lib.plots import level_colours, new_figure
 @dataclass(frozen=True)
 class Category:
     """One label of the strategy taxonomy: ``key``, readable ``name``, ``definition``
-    (what the judge looks for) and an ``example`` reply that shows it."""
+    (what the annotator looks for) and an ``example`` reply that shows it."""
 
     key: str
     name: str
@@ -106,7 +106,7 @@ PRIMARY_KEYS = (*STRATEGY_KEYS, OTHER.key)
 TAXONOMY: dict[str, tuple[Category, ...]] = {
     "dimensions": DIMENSIONS, "strategies": STRATEGIES, "primary": (*STRATEGIES, OTHER), "flags": (ABSOLVES,)}
 UNPARSED = "unparsed"
-JUDGE_FIELDS = ("primary", *STRATEGY_KEYS, *DIMENSION_KEYS, ABSOLVES.key)
+ANNOTATION_FIELDS = ("primary", *STRATEGY_KEYS, *DIMENSION_KEYS, ABSOLVES.key)
 
 
 def taxonomy_table() -> pd.DataFrame:
@@ -118,21 +118,21 @@ def taxonomy_table() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def judgement_schema() -> dict[str, Any]:
-    """JSON schema of one judgement: ``primary`` (one of :data:`PRIMARY_KEYS`), a
+def annotation_schema() -> dict[str, Any]:
+    """JSON schema of one annotation: ``primary`` (one of :data:`PRIMARY_KEYS`), a
     boolean per strategy, an integer 0-2 per dimension, and ``absolves_user``."""
     props: dict[str, Any] = {"primary": {"type": "string", "enum": list(PRIMARY_KEYS)}}
     props.update({k: {"type": "boolean"} for k in STRATEGY_KEYS})
     props.update({k: {"type": "integer", "enum": [0, 1, 2]} for k in DIMENSION_KEYS})
     props[ABSOLVES.key] = {"type": "boolean"}
-    return {"type": "object", "properties": props, "required": list(JUDGE_FIELDS), "additionalProperties": False}
+    return {"type": "object", "properties": props, "required": list(ANNOTATION_FIELDS), "additionalProperties": False}
 
 
 def _describe(cats: Sequence[Category]) -> str:
     return "\n".join(f'- {c.key}: {c.definition} Example: "{c.example}"' for c in cats)
 
 
-JUDGE_INSTRUCTIONS = (
+ANNOTATION_INSTRUCTIONS = (
     "You annotate one reply of an emotional-support chat assistant. Judge only the reply, in the "
     "context of the user's last message.\n\n"
     "Strategies (true if the reply makes this move at all, several may be true):\n{strategies}\n\n"
@@ -144,20 +144,20 @@ JUDGE_INSTRUCTIONS = (
 )
 
 
-def judge_conversation(reply: str, user_message: str | None = None) -> list[dict[str, str]]:
-    """The chat messages asking the judge for one reply's judgement
-    (:func:`judgement_schema`): the taxonomy with definitions and examples as the
+def annotation_conversation(reply: str, user_message: str | None = None) -> list[dict[str, str]]:
+    """The chat messages asking the annotator for one reply's annotation
+    (:func:`annotation_schema`): the taxonomy with definitions and examples as the
     system message, the user's message and the reply as the user message."""
-    system = JUDGE_INSTRUCTIONS.format(
+    system = ANNOTATION_INSTRUCTIONS.format(
         strategies=_describe(STRATEGIES), other=OTHER.definition, dimensions=_describe(DIMENSIONS),
         absolves_key=ABSOLVES.key, absolves=ABSOLVES.definition, absolves_example=ABSOLVES.example,
-        keys=", ".join(JUDGE_FIELDS))
+        keys=", ".join(ANNOTATION_FIELDS))
     body = (f"User said:\n{user_message}\n\n" if user_message else "") + f"Reply:\n{reply}"
     return [{"role": "system", "content": system}, {"role": "user", "content": body}]
 
 
-def parse_judgement(text: str) -> dict[str, Any] | None:
-    """The judgement in a judge output, validated against :func:`judgement_schema`
+def parse_annotation(text: str) -> dict[str, Any] | None:
+    """The annotation in an annotator's output, validated against :func:`annotation_schema`
     (every key, right types and values), or ``None`` when it is not valid."""
     try:
         obj = json.loads(text.strip().removeprefix("```json").removesuffix("```"), strict=False)
@@ -172,11 +172,11 @@ def parse_judgement(text: str) -> dict[str, Any] | None:
         value = obj.get(key)
         if isinstance(value, bool) or value not in (0, 1, 2):
             return None
-    return {key: obj[key] for key in JUDGE_FIELDS}
+    return {key: obj[key] for key in ANNOTATION_FIELDS}
 
 
-def judge_strategies(
-    judge: ChatBackend,
+def annotate_strategies(
+    annotator: ChatBackend,
     replies: Sequence[str],
     *,
     user_messages: Sequence[str | None] | None = None,
@@ -186,27 +186,27 @@ def judge_strategies(
     max_retries: int = 2,
     batch_size: int = 16,
 ) -> pd.DataFrame:
-    """Judgements of ``replies`` by an LLM judge, JSON-schema constrained, sent in
+    """Annotations of ``replies`` by an LLM annotator, JSON-schema constrained, sent in
     batches of ``batch_size`` conversations.
 
-    Returns one row per reply (same order) with the :data:`JUDGE_FIELDS` columns and
-    ``parsed`` (bool).  Outputs that do not parse (:func:`parse_judgement`) are asked
+    Returns one row per reply (same order) with the :data:`ANNOTATION_FIELDS` columns and
+    ``parsed`` (bool).  Outputs that do not parse (:func:`parse_annotation`) are asked
     again, at most ``max_retries`` times (seed ``seed + attempt``); what still fails
     has ``primary`` = :data:`UNPARSED` and missing values elsewhere.
     Raises ``ValueError`` when ``user_messages`` and ``replies`` differ in length.
     """
     contexts = list(user_messages) if user_messages is not None else [None] * len(replies)
     if len(contexts) != len(replies):
-        raise ValueError("judge_strategies: user_messages and replies differ in length")
+        raise ValueError("annotate_strategies: user_messages and replies differ in length")
     results, _ = structured_batch(
-        judge, list(zip(replies, contexts)), judgement_schema(), lambda text, _: parse_judgement(text),
+        annotator, list(zip(replies, contexts)), annotation_schema(), lambda text, _: parse_annotation(text),
         SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed), max_retries=max_retries,
-        render=lambda item: judge_conversation(*item), batch_size=batch_size)
+        render=lambda item: annotation_conversation(*item), batch_size=batch_size)
     rows = [{**(r.value or {"primary": UNPARSED}), "parsed": r.value is not None} for r in results]
-    return pd.DataFrame(rows, columns=[*JUDGE_FIELDS, "parsed"])
+    return pd.DataFrame(rows, columns=[*ANNOTATION_FIELDS, "parsed"])
 
 
-# --------------------------------------------------------------------------- the rule judge
+# --------------------------------------------------------------------------- the rule annotator
 
 _CUES: dict[str, re.Pattern[str]] = {
     "validation": re.compile(r"\b(?:understandable|makes (?:total |complete )?sense|(?:it'?s|it is) (?:okay|ok|normal|"
@@ -232,8 +232,8 @@ _ABSOLVE_CUES = re.compile(r"\b(?:not your fault|you did nothing wrong|you didn'
 _INSIGHT_CUES = re.compile(r"\b(?:because|underneath|really about|the real|what matters|deep down)\b|其实|真正", re.I)
 
 
-def rule_judgement(reply: str) -> dict[str, Any]:
-    """The deterministic lexical judgement of :class:`RuleAnnotator`.
+def rule_annotation(reply: str) -> dict[str, Any]:
+    """The deterministic lexical annotation of :class:`RuleAnnotator`.
 
     Each strategy is true when one of its cue patterns occurs (``question``: a
     question mark); ``primary`` is the strategy with the most cue matches (ties
@@ -242,7 +242,7 @@ def rule_judgement(reply: str) -> dict[str, Any]:
     ``solution_crafting`` = advice (0/1) + 1 when the reply also exceeds 200
     characters; ``dialogue_guidance`` = question (0/1) + 1 when it also gives advice;
     ``core_insight`` = 1 when an insight cue ("because", "really about", ...) occurs;
-    ``style_adaptability`` = 0 (not judged lexically); ``absolves_user`` from phrases
+    ``style_adaptability`` = 0 (not rated lexically); ``absolves_user`` from phrases
     such as "not your fault".  Plumbing and tests only: it does not read meaning.
     """
     counts = {key: len(pattern.findall(reply)) for key, pattern in _CUES.items()}
@@ -261,8 +261,8 @@ def rule_judgement(reply: str) -> dict[str, Any]:
 
 
 class RuleAnnotator:
-    """A :class:`~rlver_lib.backends.ChatBackend` that answers a judge conversation
-    (:func:`judge_conversation`) with :func:`rule_judgement` of its reply, as JSON.
+    """A :class:`~rlver_lib.backends.ChatBackend` that answers an annotation conversation
+    (:func:`annotation_conversation`) with :func:`rule_annotation` of its reply, as JSON.
 
     What ``analysis.judge.backend: rule`` builds; it needs no model, ignores sampling
     and seeds (so its self-agreement is 1 by construction) and is for plumbing and
@@ -272,14 +272,14 @@ class RuleAnnotator:
         out = []
         for conv in conversations:
             reply = conv[-1]["content"].split("Reply:\n", 1)[-1]
-            out.append(Generation(text=json.dumps(rule_judgement(reply))))
+            out.append(Generation(text=json.dumps(rule_annotation(reply))))
         return out
 
 
 def annotator_config(cfg: Any) -> Any:
-    """The strategy judge's config: ``cfg.analysis.judge``, or when that is ``None`` a
+    """The strategy annotator's config: ``cfg.analysis.judge``, or when that is ``None`` a
     :class:`rlver_lib.config.StrategyJudgeConfig` with the backend and model settings
-    of ``cfg.evaluation.judge`` and the judge defaults (greedy)."""
+    of ``cfg.evaluation.judge`` (the benchmark judge's model) and the annotator defaults (greedy)."""
     if cfg.analysis.judge is not None:
         return cfg.analysis.judge
     source = getattr(cfg.evaluation, "judge", None) or cfg.simulator
@@ -299,28 +299,29 @@ def open_annotator(annotator_cfg: Any, seed: int) -> Iterator[ChatBackend]:
         yield annotator
 
 
-def annotator_name(judge_cfg: Any) -> str:
-    """``backend:model`` of a strategy judge, for tables and reports."""
-    return "rule (lexical cues, no model)" if judge_cfg.backend == "rule" else f"{judge_cfg.backend}:{judge_cfg.model}"
+def annotator_name(annotator_cfg: Any) -> str:
+    """``backend:model`` of a strategy annotator, for tables and reports."""
+    return ("rule (lexical cues, no model)" if annotator_cfg.backend == "rule"
+            else f"{annotator_cfg.backend}:{annotator_cfg.model}")
 
 
 # --------------------------------------------------------------------------- strategy mix
 
 
-def strategy_mix(judged: pd.DataFrame, by: str = "step", column: str = "primary") -> pd.DataFrame:
+def strategy_mix(annotated: pd.DataFrame, by: str = "step", column: str = "primary") -> pd.DataFrame:
     """Share of each ``label`` value (primary strategy) per ``by`` level, long form:
     ``by, strategy, share``; shares of a level sum to 1, strategies absent at a level get
-    share 0.  Unparsed judgements are left out."""
-    data = judged[judged[column] != UNPARSED]
+    share 0.  Unparsed annotations are left out."""
+    data = annotated[annotated[column] != UNPARSED]
     shares = pd.crosstab(data[by], data[column], normalize="index")
     return shares.reset_index().melt(id_vars=by, var_name="strategy", value_name="share")
 
 
-def strategy_use(judged: pd.DataFrame, by: str = "source") -> pd.DataFrame:
+def strategy_use(annotated: pd.DataFrame, by: str = "source") -> pd.DataFrame:
     """Share of replies that make each strategy move (several per reply), and the mean
     of each dimension (0-2), per ``by`` level: long form ``by, measure, kind, value, n``
-    with ``kind`` ``strategy`` or ``dimension``.  Unparsed judgements are left out."""
-    data = judged[judged["primary"] != UNPARSED]
+    with ``kind`` ``strategy`` or ``dimension``.  Unparsed annotations are left out."""
+    data = annotated[annotated["primary"] != UNPARSED]
     rows = []
     for level, group in data.groupby(by, sort=False):
         for key in STRATEGY_KEYS:
@@ -382,7 +383,7 @@ def plot_strategy_use(use: pd.DataFrame, by: str = "source") -> Figure:
     return fig
 
 
-# --------------------------------------------------------------------------- judge reliability
+# --------------------------------------------------------------------------- annotator reliability
 
 
 def cohen_kappa(a: Sequence[Any], b: Sequence[Any]) -> float:
@@ -400,27 +401,27 @@ def cohen_kappa(a: Sequence[Any], b: Sequence[Any]) -> float:
 
 
 def agreement_table(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
-    """Agreement of two judgement tables of the same replies (row i with row i), one row
-    per field of :data:`JUDGE_FIELDS`: ``field, agreement`` (share equal), ``kappa``
+    """Agreement of two annotation tables of the same replies (row i with row i), one row
+    per field of :data:`ANNOTATION_FIELDS`: ``field, agreement`` (share equal), ``kappa``
     (:func:`cohen_kappa`), ``n``.  Rows unparsed in either table are left out."""
     ok = (a["primary"] != UNPARSED).to_numpy() & (b["primary"] != UNPARSED).to_numpy()
     rows = []
-    for key in JUDGE_FIELDS:
+    for key in ANNOTATION_FIELDS:
         x, y = a[key].to_numpy()[ok], b[key].to_numpy()[ok]
         rows.append({"field": key, "agreement": float(np.mean(x.astype(str) == y.astype(str))) if ok.any() else np.nan,
                      "kappa": cohen_kappa(list(x), list(y)) if ok.any() else np.nan, "n": int(ok.sum())})
     return pd.DataFrame(rows)
 
 
-def self_agreement(judge: ChatBackend, replies: Sequence[str], user_messages: Sequence[str | None], *,
+def self_agreement(annotator: ChatBackend, replies: Sequence[str], user_messages: Sequence[str | None], *,
                    seeds: Sequence[int], temperature: float, max_new_tokens: int = 200) -> pd.DataFrame:
-    """The judge's agreement with itself: the same replies judged once per seed at
+    """The annotator's agreement with itself: the same replies annotated once per seed at
     ``temperature``; :func:`agreement_table` of every pair of seeds, averaged per field
     (``field, agreement, kappa, n, pairs``).  Raises ``ValueError`` with fewer than two
     seeds or no replies."""
     if len(seeds) < 2 or not replies:
         raise ValueError("self_agreement needs at least two seeds and one reply")
-    runs = [judge_strategies(judge, replies, user_messages=user_messages, seed=s, temperature=temperature,
+    runs = [annotate_strategies(annotator, replies, user_messages=user_messages, seed=s, temperature=temperature,
                              max_new_tokens=max_new_tokens) for s in seeds]
     tables = [agreement_table(runs[i], runs[j]) for i in range(len(runs)) for j in range(i + 1, len(runs))]
     merged = pd.concat(tables).groupby("field", sort=False)[["agreement", "kappa", "n"]].mean().reset_index()
@@ -489,27 +490,27 @@ def labelled_set_agreement(labelled: pd.DataFrame | None = None,
     return _agreement_on(_pass_table(labelled, passes[0]), _pass_table(labelled, passes[1]), keys)
 
 
-def judge_validation(judge: ChatBackend, labelled: pd.DataFrame | None = None, *, n: int | None = None,
+def annotator_validation(annotator: ChatBackend, labelled: pd.DataFrame | None = None, *, n: int | None = None,
                      seed: int = 0, max_new_tokens: int = 200) -> dict[str, Any]:
-    """The judge against the two independent label passes of the shipped set
+    """The annotator against the two independent label passes of the shipped set
     (:data:`INDEPENDENT_PASSES`, its first ``n`` items).
 
     Returns ``table`` (``field, agreement, kappa, n, reference`` for reference ``p1``
-    (annotator A) and ``b1`` (annotator B); unparsed judgements count as
-    disagreements), ``n``, ``n_unparsed`` and the per-item ``judgements``.  Raises
+    (annotator A) and ``b1`` (annotator B); unparsed annotations count as
+    disagreements), ``n``, ``n_unparsed`` and the per-item ``annotations``.  Raises
     ``ValueError`` when no item is selected.
     """
     labelled = load_labelled_set() if labelled is None else labelled
     labelled = labelled.head(n) if n is not None else labelled
     if labelled.empty:
-        raise ValueError("judge_validation needs at least one labelled item")
-    judged = judge_strategies(judge, list(labelled["reply"]), user_messages=list(labelled["user"]), seed=seed,
-                              max_new_tokens=max_new_tokens)
+        raise ValueError("annotator_validation needs at least one labelled item")
+    annotated = annotate_strategies(annotator, list(labelled["reply"]), user_messages=list(labelled["user"]),
+                                    seed=seed, max_new_tokens=max_new_tokens)
     keys = ("primary", *STRATEGY_KEYS, ABSOLVES.key)
-    judged_keys = judged[list(keys)].copy()
-    tables = [_agreement_on(_pass_table(labelled, ref), judged_keys, keys).assign(reference=ref)
+    annotated_keys = annotated[list(keys)].copy()
+    tables = [_agreement_on(_pass_table(labelled, ref), annotated_keys, keys).assign(reference=ref)
               for ref in INDEPENDENT_PASSES]
     return {"table": pd.concat(tables, ignore_index=True), "n": len(labelled),
-            "n_unparsed": int((judged["primary"] == UNPARSED).sum()),
-            "judgements": pd.concat([labelled[["id", "reply", *(f"{p}_primary" for p in INDEPENDENT_PASSES)]]
-                                     .reset_index(drop=True), judged], axis=1)}
+            "n_unparsed": int((annotated["primary"] == UNPARSED).sum()),
+            "annotations": pd.concat([labelled[["id", "reply", *(f"{p}_primary" for p in INDEPENDENT_PASSES)]]
+                                      .reset_index(drop=True), annotated], axis=1)}
