@@ -6,7 +6,10 @@ scenarios, rollouts, training, evaluation and reporting.  It is loaded from
 line (``rlver run P.yaml --set key=value``) and from papermill parameters.
 A params file may start from another with ``base: other.yaml`` (deep merge,
 :func:`load_params`); the paper recipes share ``params/paper/base.yaml``.
-Unknown keys are errors everywhere (``extra="forbid"``).
+Unknown keys are errors everywhere (``extra="forbid"``), and each section holds only
+the fields it uses: how to reach and drive a model is one :class:`EndpointConfig`, the
+strategy annotator's; a simulated user adds its settings (:class:`UserModelConfig`), the
+training simulator its start emotion, the benchmark's judge its seed.
 
 Errors: :func:`load_config` raises :class:`ConfigError` naming the file and the
 offending key (for example ``params/x.yaml: training.stepz: Extra inputs are not
@@ -110,8 +113,10 @@ class PolicyConfig(_Strict):
                               max_new_tokens=self.max_new_tokens, seed=seed)
 
 
-class SimulatorConfig(_Strict):
-    """The affective simulated user (docs/ARCHITECTURE.md "Code map").
+class EndpointConfig(_Strict):
+    """How to reach and drive one model: the fields every model-backed role shares (the
+    training simulator, the benchmark's judge, the strategy annotator; docs/ARCHITECTURE.md
+    "Code map").
 
     ``backend``: ``llamacpp`` (a GGUF file served by llama.cpp's ``llama-server``, which
     the workbench starts and stops itself; ``concurrency`` dialogues are decoded
@@ -121,8 +126,52 @@ class SimulatorConfig(_Strict):
     ``openai`` (any OpenAI-compatible server at ``base_url``; the key is read
     from the environment variable named by ``api_key_env``), or ``rule`` (no
     model: the deterministic ``simulator.RuleSimulator`` with its default change
-    function; for tiny test runs and CI, not for research).
+    function, or for the annotator ``analysis.RuleAnnotator``; for tiny test runs and
+    CI, not for research). ``n_threads``: llama-server's threads (default
+    ``$OMP_NUM_THREADS``). The sampling settings, the cuts ``top_k``, ``min_p`` and the
+    penalties included, are sent with every request (:class:`SamplingParams`).
+    """
 
+    backend: Literal["llamacpp", "transformers", "openai", "rule"] = "llamacpp"
+    model: str = EMBEDDED_SIMULATOR
+    base_url: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    temperature: float = Field(0.7, ge=0.0)
+    max_new_tokens: int = Field(256, ge=16)
+    max_retries: int = Field(2, ge=0)
+    timeout_s: float = Field(120.0, gt=0)
+    concurrency: int = Field(8, ge=1)
+    n_threads: int | None = None
+    n_ctx: int = Field(4096, ge=512)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+
+    def sampling(self, *, temperature: float | None = None, max_new_tokens: int | None = None,
+                 seed: int | None = None) -> SamplingParams:
+        """The :class:`SamplingParams` of this model's calls: every field from the config,
+        ``temperature`` / ``max_new_tokens`` overridable (e.g. 0 and 1 for a probe)."""
+        return SamplingParams(
+            temperature=self.temperature if temperature is None else temperature,
+            top_p=self.top_p, max_new_tokens=max_new_tokens or self.max_new_tokens, seed=seed,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+
+    @model_validator(mode="after")
+    def _url_for_openai(self) -> "EndpointConfig":
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError("base_url is required when backend is 'openai'")
+        return self
+
+
+class UserModelConfig(EndpointConfig):
+    """A simulated user (``simulator.UserSimulator``): an :class:`EndpointConfig` plus how
+    it plays and appraises; what the training simulator and the benchmark's judge share.
+
+    ``difficulty``: the rubric the user appraises with (``easy``, ``moderate``, ``hard``).
     ``appraisal``: how a reply moves the emotion (docs/ARCHITECTURE.md "Code map"):
     ``first_person`` (default) samples a first-person JSON appraisal with an integer
     change in [-10, 10]; ``sage`` samples a JSON appraisal on SAGE's scale (-10, -5, 0,
@@ -142,24 +191,10 @@ class SimulatorConfig(_Strict):
     ``yes_no`` (default) or ``no_yes`` ask once; ``both`` asks twice and averages P(yes).
     The embedded 1.5B model prefers whichever answer is named first, a near-constant shift
     that ``expected_center`` absorbs; its "no or yes" answers barely tell replies apart, so
-    asking both orders doubles the cost for little (measured: docs/MEASURED.md). The sampling cuts
-    ``top_k``, ``min_p`` and the penalties are sent with every request
-    (:class:`SamplingParams`).
+    asking both orders doubles the cost for little (measured: docs/MEASURED.md).
     """
 
-    backend: Literal["llamacpp", "transformers", "openai", "rule"] = "llamacpp"
-    model: str = EMBEDDED_SIMULATOR
-    base_url: str | None = None
-    api_key_env: str = "OPENAI_API_KEY"
     difficulty: Literal["easy", "moderate", "hard"] = "moderate"
-    initial_emotion: int = Field(50, ge=0, le=100)
-    temperature: float = Field(0.7, ge=0.0)
-    max_new_tokens: int = Field(256, ge=16)
-    max_retries: int = Field(2, ge=0)
-    timeout_s: float = Field(120.0, gt=0)
-    concurrency: int = Field(8, ge=1)
-    n_threads: int | None = None
-    n_ctx: int = Field(4096, ge=512)
     # caps (characters) on the structured outputs' free-text fields: tuned for the
     # embedded 1.5B model, which otherwise runs past its token budget; raise them for
     # strong judges (the paper recipes do)
@@ -173,28 +208,14 @@ class SimulatorConfig(_Strict):
     expected_center: float = Field(0.83, ge=0.0, le=1.0)
     expected_scale: float = Field(240.0, gt=0)
     expected_answer_order: Literal["yes_no", "no_yes", "both"] = "yes_no"
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
 
-    def sampling(self, *, temperature: float | None = None, max_new_tokens: int | None = None,
-                 seed: int | None = None) -> SamplingParams:
-        """The :class:`SamplingParams` of this model's calls: every field from the config,
-        ``temperature`` / ``max_new_tokens`` overridable (e.g. 0 and 1 for a probe)."""
-        return SamplingParams(
-            temperature=self.temperature if temperature is None else temperature,
-            top_p=self.top_p, max_new_tokens=max_new_tokens or self.max_new_tokens, seed=seed,
-            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
 
-    @model_validator(mode="after")
-    def _url_for_openai(self) -> "SimulatorConfig":
-        if self.backend == "openai" and not self.base_url:
-            raise ValueError("simulator.base_url is required when simulator.backend is 'openai'")
-        return self
+class SimulatorConfig(UserModelConfig):
+    """The training simulator (``simulator``): the simulated user the policy learns against
+    (:class:`UserModelConfig`), plus ``initial_emotion``, the emotion its training
+    dialogues start at (the benchmark's is ``evaluation.initial_emotion``)."""
+
+    initial_emotion: int = Field(50, ge=0, le=100)
 
 
 class ScenarioConfig(_Strict):
@@ -272,14 +293,14 @@ class TrainingConfig(_Strict):
         return self
 
 
-class JudgeConfig(SimulatorConfig):
+class JudgeConfig(UserModelConfig):
     """The benchmark's own simulated user (the *judge*), independent of ``simulator``.
 
-    Same fields and backend kinds as :class:`SimulatorConfig`, plus ``seed`` (the
-    judge's sampling seed; ``None``: the run's ``seed``).  The default is the embedded
-    moderate judge, whatever difficulty or model trained the policy, so runs of one
-    comparison are scored alike.  ``initial_emotion`` is not used: the benchmark starts
-    at ``evaluation.initial_emotion``.
+    A :class:`UserModelConfig` (the same backend kinds and fields as the training
+    simulator, less its ``initial_emotion``: the benchmark starts at
+    ``evaluation.initial_emotion``), plus ``seed`` (the judge's sampling seed; ``None``:
+    the run's ``seed``).  The default is the embedded moderate judge, whatever difficulty
+    or model trained the policy, so runs of one comparison are scored alike.
     """
 
     seed: int | None = None
@@ -319,12 +340,12 @@ class EvaluationConfig(_Strict):
         return self
 
 
-class StrategyJudgeConfig(SimulatorConfig):
-    """The model that judges policy replies with the strategy taxonomy
-    (``rlver_lib.analysis.strategies.TAXONOMY``): the same backend kinds and fields as
-    :class:`SimulatorConfig` (``difficulty`` and ``initial_emotion`` unused), greedy by
-    default. ``rule`` is the deterministic lexical labeller
-    (``analysis.RuleAnnotator``): plumbing and tests only, not a research judge."""
+class StrategyJudgeConfig(EndpointConfig):
+    """The strategy annotator (``analysis.judge``): the model that labels policy replies
+    with the strategy taxonomy (``rlver_lib.analysis.strategies.TAXONOMY``), an
+    :class:`EndpointConfig` (no simulated user's settings), greedy by default. ``rule``
+    is the deterministic lexical labeller (``analysis.RuleAnnotator``): plumbing and
+    tests only, not a research annotator."""
 
     temperature: float = Field(0.0, ge=0.0)
     max_new_tokens: int = Field(200, ge=16)
@@ -333,7 +354,7 @@ class StrategyJudgeConfig(SimulatorConfig):
 class AnalysisConfig(_Strict):
     """The analysis stage (notebook 06; RLVER §5's strategy and reward-hacking questions).
 
-    ``judge``: the strategy judge (:class:`StrategyJudgeConfig`); ``None`` uses the
+    ``judge``: the strategy annotator (:class:`StrategyJudgeConfig`); ``None`` uses the
     backend and model of ``evaluation.judge``, greedy.  ``judge_sample``: replies
     labelled per source (baseline, each training step, trained).
     ``self_agreement_sample``: replies labelled again under ``judge_seeds`` seeds.
@@ -501,6 +522,30 @@ def parse_override(item: str) -> tuple[str, Any]:
 REMOVED_KEYS = {"evaluation.n_scenarios": "scenarios.limit_test"}
 """Keys a params file may still carry from an older version: ``{old: the key that replaced it}``."""
 
+UNUSED_KEYS: dict[str, str] = {
+    "evaluation.judge.initial_emotion": "the judge never used it: the benchmark starts at evaluation.initial_emotion",
+    "analysis.judge.initial_emotion": "the strategy annotator never used it: dialogues start at "
+                                      "simulator.initial_emotion (training) and evaluation.initial_emotion "
+                                      "(the benchmark)",
+    **{f"analysis.judge.{name}": "the strategy annotator never used it: it is a simulated user's setting, "
+                                 "of simulator and evaluation.judge"
+       for name in UserModelConfig.model_fields if name not in StrategyJudgeConfig.model_fields},
+}
+"""Keys that earlier versions accepted, and wrote into every run's ``config.yaml``, but
+never used (the judge and the strategy annotator were whole simulator configs then):
+``{key: why}``.  A params file or override that sets one is refused with the reason;
+:func:`load_run_config` drops them from an old run's ``config.yaml``."""
+
+
+def _key_note(loc: str) -> str:
+    """`` (removed: use <key>)`` for a :data:`REMOVED_KEYS` key, `` (<why>)`` for an
+    :data:`UNUSED_KEYS` one, else empty."""
+    if loc in REMOVED_KEYS:
+        return f" (removed: use {REMOVED_KEYS[loc]})"
+    if loc in UNUSED_KEYS:
+        return f" ({UNUSED_KEYS[loc]})"
+    return ""
+
 
 def _section_model(parts: list[str]) -> type[BaseModel] | None:
     """The config model of the section at dotted ``parts`` (``[]``: :class:`RunConfig`),
@@ -530,8 +575,8 @@ def _unknown_key_hint(loc: str) -> str:
     model = _section_model(section)
     where = f"in {'.'.join(section)}" if section else "at the top level"
     text = f"unknown key '{name}' {where}"
-    if loc in REMOVED_KEYS:
-        return text + f" (removed: use {REMOVED_KEYS[loc]})"
+    if _key_note(loc):
+        return text + _key_note(loc)
     if model is None:
         return text
     valid = list(model.model_fields)
@@ -559,7 +604,7 @@ def _format_error(source: str, err: ValidationError, overrides: dict[str, str] |
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        moved = f" (removed: use {REMOVED_KEYS[loc]})" if loc in REMOVED_KEYS else ""
+        moved = _key_note(loc) if e["type"] == "extra_forbidden" else ""
         label = _override_of(loc, e["type"], overrides or {}) if e["loc"] else None
         if label is None:
             lines.append(f"{source}: {loc}: {e['msg']}{moved}")
@@ -650,6 +695,32 @@ def load_config(
     """Load ``path`` (YAML, with its ``base:`` chain, :func:`load_params`), apply
     overrides, validate. Raises :class:`ConfigError`."""
     return build_config(load_params(path), overrides, source=str(path))
+
+
+def drop_unused_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a run's config mapping without the :data:`UNUSED_KEYS` (``analysis.judge``
+    may be ``None``); a mapping without them comes back equal."""
+    data = json.loads(json.dumps(data))
+    for key in UNUSED_KEYS:
+        *section, name = key.split(".")
+        node: Any = data
+        for part in section:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(name, None)
+    return data
+
+
+def load_run_config(
+    path: str | Path, overrides: dict[str, Any] | list[str] | None = None
+) -> RunConfig:
+    """A run folder's saved ``config.yaml``, read as :func:`load_config` reads a params
+    file but without the :data:`UNUSED_KEYS`: versions before the judge and the strategy
+    judge got configs of their own wrote ``evaluation.judge.initial_emotion`` (and, with
+    an ``analysis.judge``, its ``difficulty``, ``initial_emotion`` and appraisal settings)
+    into every run's config; they never had an effect, so the run reads as it ran.
+    Raises :class:`ConfigError`."""
+    return build_config(drop_unused_keys(load_params(path)), overrides, source=str(path))
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -25,7 +25,14 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from rlver_lib.config import EMBEDDED_POLICY, EMBEDDED_SIMULATOR, ConfigError, PolicyConfig, SimulatorConfig
+from rlver_lib.config import (
+    EMBEDDED_POLICY,
+    EMBEDDED_SIMULATOR,
+    ConfigError,
+    EndpointConfig,
+    PolicyConfig,
+    UserModelConfig,
+)
 from rlver_lib.files import atomic_directory, cache_dir
 from rlver_lib.simulator import RuleSimulator, UserSimulator
 
@@ -288,7 +295,7 @@ def default_threads() -> int:
     return int(env) if env.isdigit() and int(env) > 0 else max(1, min(4, os.cpu_count() or 1))
 
 
-def simulator_model_path(sim_cfg: SimulatorConfig) -> Path:
+def simulator_model_path(sim_cfg: EndpointConfig) -> Path:
     """The GGUF file for a llama.cpp simulator: the embedded one or ``sim_cfg.model``.
 
     Raises :class:`FileNotFoundError` when a given path does not exist.
@@ -305,8 +312,9 @@ def simulator_model_path(sim_cfg: SimulatorConfig) -> Path:
     return path
 
 
-def make_simulator_backend(sim_cfg: SimulatorConfig, seed: int) -> "ChatBackend":
-    """Build the simulator's chat backend from its config.
+def make_simulator_backend(sim_cfg: EndpointConfig, seed: int) -> "ChatBackend":
+    """Build the chat backend an endpoint config names (the simulator's, the judge's, the
+    strategy annotator's).
 
     - ``llamacpp``: a ``llama-server`` process over :func:`simulator_model_path`,
       started here on loopback (``concurrency`` slots of ``n_ctx`` tokens each,
@@ -373,8 +381,10 @@ def prepare_embedded(
     return prepared
 
 
-def build_simulator(sim_cfg: SimulatorConfig, seed: int) -> UserSimulator | RuleSimulator:
-    """The simulated user a config asks for: :class:`RuleSimulator` (default change
+def build_simulator(sim_cfg: UserModelConfig, seed: int) -> UserSimulator | RuleSimulator:
+    """The simulated user a config asks for, the training simulator's (``simulator``) or
+    the benchmark judge's (``evaluation.judge``, through
+    ``rlver_lib.evaluation.judge.build_judge``): :class:`RuleSimulator` (default change
     function, no model) when ``sim_cfg.backend == "rule"``, else a :class:`UserSimulator`
     over :func:`make_simulator_backend` (which may start a server
     process: close it with ``simulator.backend.close()``)."""

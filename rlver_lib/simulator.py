@@ -6,14 +6,15 @@ After each policy reply it *appraises* the reply, the update rule runs in code
 numbers), and it *replies* (the next user message, given the appraisal and the new
 mood, with an ``end_conversation`` flag). Three appraisal modes (``simulator.appraisal``):
 
-- ``expected`` (default): a checklist of yes/no questions tied to the scenario's hidden
+- ``expected``: a checklist of yes/no questions tied to the scenario's hidden
   intention (:func:`checklist`), each answered by reading P(yes) from the model's
   next-token distribution (one prefill, no sampling), combined into a real-valued change
   (:func:`expected_change`). G-Eval (Liu et al., 2023) reads probabilities instead of a
   sampled score for the same reason: a smooth, low-noise number;
 - ``sage``: a sampled JSON appraisal by a third-person analyser that looks first for
   what does not fit the hidden intention, on SAGE's scale (-10, -5, 0, +5, +10);
-- ``first_person``: the older sampled first-person JSON appraisal, an integer in [-10, 10].
+- ``first_person`` (default): the older sampled first-person JSON appraisal, an integer
+  in [-10, 10].
 
 Each sampled call is retried at most ``sim_cfg.max_retries`` times on unusable output
 (:func:`~rlver_lib.backends.structured_batch`); every raw output is recorded, and a turn
@@ -45,7 +46,7 @@ from rlver_lib.backends import (
     derive_seed,
     structured_batch,
 )
-from rlver_lib.config import SimulatorConfig
+from rlver_lib.config import SimulatorConfig, UserModelConfig
 
 Mood = Literal["S", "A", "B", "C", "F"]
 Difficulty = Literal["easy", "moderate", "hard"]
@@ -417,11 +418,9 @@ def reply_messages(request: SimulatorRequest, appraisal: dict[str, Any], emotion
     return _exchange(user, request.scenario)
 
 
-def opening_messages(scenario: Any, emotion: int) -> Conversation:
-    """Chat messages asking the user for a first message (no opening line given).
-
-    ``emotion`` is the starting score; the opening instruction does not use it.
-    """
+def opening_messages(scenario: Any) -> Conversation:
+    """Chat messages asking the user for a first message (no opening line given); the
+    start emotion does not enter them."""
     return [
         {"role": "system", "content": _system_prompt(scenario)},
         {"role": "user", "content": _fill(f"sim_opening_{scenario_language(scenario)}.txt")},
@@ -541,7 +540,7 @@ class UserSimulator:
     """The LLM-played user of the RLVER paper (appraise, then reply) over any :class:`ChatBackend`.
 
     ``sim_cfg`` gives the appraisal mode (see the module notes), difficulty, the
-    sampling settings (all sent: :meth:`rlver_lib.config.SimulatorConfig.sampling`),
+    sampling settings (all sent: :meth:`rlver_lib.config.EndpointConfig.sampling`),
     ``max_new_tokens``, ``max_retries`` and ``n_ctx``; ``seed`` seeds every sampled call.
     The ``expected`` mode needs a backend with ``next_token_logprobs``
     (:class:`~rlver_lib.backends.NextTokenScorer`); ``TypeError`` otherwise.
@@ -554,7 +553,7 @@ class UserSimulator:
     #: top log-probs read per checklist question
     TOP_N = 20
 
-    def __init__(self, backend: ChatBackend, sim_cfg: SimulatorConfig | None = None, *, seed: int = 0):
+    def __init__(self, backend: ChatBackend, sim_cfg: UserModelConfig | None = None, *, seed: int = 0):
         self.backend = backend
         self.cfg = sim_cfg or SimulatorConfig()
         self.seed = seed
@@ -591,7 +590,7 @@ class UserSimulator:
         missing = [i for i, s in enumerate(scenarios) if not getattr(s, "opening_line", None)]
         lines: list[str | None] = [getattr(s, "opening_line", None) for s in scenarios]
         if missing:
-            convs = [opening_messages(scenarios[i], self.cfg.initial_emotion) for i in missing]
+            convs = [opening_messages(scenarios[i]) for i in missing]
             generated, _ = self._structured(convs, OPENING_SCHEMA, parse_opening, "opening", -1)
             for i, line in zip(missing, generated):
                 lines[i] = line

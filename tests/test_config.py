@@ -1,10 +1,27 @@
-"""The run config (rlver_lib.config): the dotted getter beside the overrides' setter."""
+"""The run config (rlver_lib.config): the dotted getter beside the overrides' setter; the judge's and
+the strategy annotator's sections, and old run folders' config.yaml."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
+from types import SimpleNamespace
 
-from rlver_lib.config import PAPER_AXES, ConfigError, build_config, get_dotted, load_config
+import pytest
+import yaml
+
+from rlver_lib.config import (
+    PAPER_AXES,
+    ConfigError,
+    JudgeConfig,
+    StrategyJudgeConfig,
+    build_config,
+    dump_config,
+    get_dotted,
+    load_config,
+    load_run_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_get_dotted_reads_what_an_override_sets():
@@ -53,3 +70,86 @@ def test_an_unknown_key_of_the_params_file_keeps_naming_the_file(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(params, ["training.steps=3"])  # a good override beside the file's bad key
     assert str(info.value) == f"{params}: training.stepz: Extra inputs are not permitted"
+
+
+def test_a_judge_section_that_sets_a_field_it_never_used_is_refused(tmp_path):
+    params = tmp_path / "x.yaml"
+    params.write_text("evaluation:\n  judge:\n    initial_emotion: 30\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(params)
+    assert str(info.value) == (f"{params}: evaluation.judge.initial_emotion: Extra inputs are not permitted (the "
+                               "judge never used it: the benchmark starts at evaluation.initial_emotion)")
+    with pytest.raises(ConfigError, match=r"^--set evaluation\.judge\.initial_emotion=30: unknown key "
+                                          r"'initial_emotion' in evaluation\.judge \(.*evaluation\.initial_emotion\)$"):
+        build_config({}, ["evaluation.judge.initial_emotion=30"])
+    # the strategy annotator is an endpoint, no simulated user: no difficulty, start emotion or appraisal
+    for key in ("difficulty", "initial_emotion", "appraisal", "expected_center"):
+        with pytest.raises(ConfigError, match=rf"analysis\.judge\.{key}: .*the strategy annotator never used it"):
+            build_config({"analysis": {"judge": {key: None}}})
+    assert "initial_emotion" not in JudgeConfig.model_fields
+    assert not {"difficulty", "initial_emotion", "appraisal"} & set(StrategyJudgeConfig.model_fields)
+
+
+def _old_run_config(cfg) -> dict:
+    """``cfg`` as an earlier version saved it: the judge and the strategy annotator were whole
+    simulator configs, so their dumps carried the start emotion and the user's settings."""
+    data = cfg.model_dump(mode="json")
+    data["evaluation"]["judge"]["initial_emotion"] = 50
+    data["analysis"]["judge"].update(difficulty="moderate", initial_emotion=50, appraisal="first_person",
+                                     appraisal_chars=200, message_chars=400, expected_center=0.83)
+    return data
+
+
+def test_an_old_runs_config_yaml_with_unused_keys_is_still_read(tmp_path):
+    from rlver_lib.analysis.runs import run_config
+    from rlver_lib.pipeline.notebook import open_run
+    from rlver_lib.pipeline.run import prepare_run_dir
+
+    cfg = build_config({"run_name": "old", "output_root": str(tmp_path),
+                        "analysis": {"judge": {"backend": "rule"}}})
+    old = tmp_path / "old" / "config.yaml"
+    old.parent.mkdir()
+    old.write_text(yaml.safe_dump(_old_run_config(cfg), sort_keys=False), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"evaluation\.judge\.initial_emotion"):
+        load_config(old)  # as a params file it is refused ...
+    assert load_run_config(old) == cfg  # ... as a run's saved config it reads as it ran
+    assert run_config(old.parent) == cfg
+    assert open_run(old, old.parent)[0] == cfg
+    prepare_run_dir(cfg)  # resuming the old run: the same experiment, its config.yaml rewritten
+    assert old.read_text(encoding="utf-8") == dump_config(cfg)
+    old.write_text(yaml.safe_dump(_old_run_config(cfg.model_copy(update={"seed": 1}))), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"different config \(changed: seed\)"):
+        prepare_run_dir(cfg)
+
+
+# the quickstart judge as build_judge built it before the endpoint config: evaluation.judge
+# dumped, its seed popped, rebuilt as a SimulatorConfig at the benchmark's start emotion
+QUICKSTART_JUDGE_BEFORE = {
+    "backend": "llamacpp", "model": "embedded:qwen2.5-coder-1.5b-instruct-q4km", "base_url": None,
+    "api_key_env": "OPENAI_API_KEY", "difficulty": "moderate", "initial_emotion": 40, "temperature": 0.7,
+    "max_new_tokens": 192, "max_retries": 1, "timeout_s": 120.0, "concurrency": 8, "n_threads": None, "n_ctx": 2048,
+    "appraisal_chars": 200, "message_chars": 400, "appraisal": "first_person",
+    "expected_questions": ["on_situation", "understood"], "expected_center": 0.83, "expected_scale": 240.0,
+    "expected_answer_order": "yes_no", "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0,
+}
+
+
+def test_the_quickstart_judge_is_built_from_its_config_as_before(monkeypatch):
+    from rlver_lib import models
+    from rlver_lib.evaluation.judge import build_judge, judge_description
+    from rlver_lib.simulator import UserSimulator
+
+    backend = object()
+    monkeypatch.setattr(models, "make_simulator_backend", lambda sim_cfg, seed: backend)
+    cfg = load_config(ROOT / "params" / "quickstart.yaml")
+    judge = build_judge(cfg.evaluation, cfg.seed)
+    assert isinstance(judge, UserSimulator) and judge.backend is backend and judge.seed == cfg.seed
+    assert judge.cfg is cfg.evaluation.judge  # its own config, not a rebuilt copy
+    # every field as before, less the start emotion the judge never read (the opening prompt has none)
+    before = {k: v for k, v in QUICKSTART_JUDGE_BEFORE.items() if k != "initial_emotion"}
+    assert judge.cfg.model_dump(exclude={"seed"}) == before
+    assert cfg.evaluation.initial_emotion == QUICKSTART_JUDGE_BEFORE["initial_emotion"]
+    # and it is described as before, so summaries scored before compare with new ones
+    old_judge_section = SimpleNamespace(**{**before, "initial_emotion": 50, "seed": None})
+    assert judge_description(cfg.evaluation.judge, 0) == judge_description(old_judge_section, 0)

@@ -15,7 +15,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from rlver_lib.analysis.hacking import reply_changes
-from rlver_lib.config import PAPER_AXES, RunConfig, get_dotted, load_config
+from rlver_lib.config import PAPER_AXES, RunConfig, get_dotted, load_run_config
 from rlver_lib.files import RunFolder, iter_jsonl
 from rlver_lib.plots import plot_emotion_trajectories, plot_paired_scenarios
 from rlver_lib.records import dialogue_view, load_records, policy_turns, scored_records
@@ -135,10 +135,10 @@ def eval_overview(run_dir: str | Path) -> EvalOverview | None:
     return EvalOverview(ev.pivot(index="metric", columns="label", values="estimate [interval]"), fig)
 
 def run_config(run_dir: str | Path) -> RunConfig | None:
-    """The resolved config a run saved (``<run>/config.yaml``, :func:`rlver_lib.config.load_config`),
+    """The resolved config a run saved (``<run>/config.yaml``, :func:`rlver_lib.config.load_run_config`),
     ``None`` when the folder has none. Raises :class:`rlver_lib.config.ConfigError`."""
     path = RunFolder(run_dir).config
-    return load_config(path) if path.is_file() else None
+    return load_run_config(path) if path.is_file() else None
 
 
 def config_fields(run_dir: str | Path, axes: Sequence[str] = PAPER_AXES) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlver_lib.config import SimulatorConfig
 from rlver_lib.models import build_simulator
 from rlver_lib.simulator import DIFFICULTY_SHIFT, UserSimulator, prompt_files, structured_schemas
 
@@ -28,8 +27,9 @@ class JudgeMismatchError(ValueError):
 
 #: Judge settings that do not change what the judge answers (how often it retries, how
 #: long it waits, how many dialogues it serves at once, where its API key lives), the
-#: start emotion (the benchmark sets its own) and the seed (recorded as the seed it
-#: samples with).  Every other field of a judge config is part of its identity.
+#: start emotion (only a training simulator's config has one; judge configs of earlier
+#: versions carried it, unused: the benchmark sets its own) and the seed (recorded as the
+#: seed it samples with).  Every other field of a judge config is part of its identity.
 _JUDGE_OPERATIONAL = frozenset({"max_retries", "timeout_s", "concurrency", "n_threads", "api_key_env",
                                 "initial_emotion", "seed"})
 #: How a judge reads first in reports and summaries; the other fields follow sorted.
@@ -247,8 +247,8 @@ def judge_name(judge: dict[str, Any]) -> str:
 def build_judge(eval_cfg: Any, run_seed: int) -> Any:
     """The benchmark's judge from ``evaluation.judge`` (never ``cfg.simulator``).
 
-    Built as a plain simulator config with the benchmark's start emotion (for generated
-    opening lines) and seeded with :func:`judge_seed`.  A judge behind an HTTP server
+    Built from its config by ``models.build_simulator``, as the training simulator is,
+    and seeded with :func:`judge_seed`.  A judge behind an HTTP server
     (``openai``, ``llamacpp``) is asked once what it serves
     (:func:`served_model_identity`, API key from ``api_key_env``); the answer is kept as
     the simulator's ``served_model`` and recorded by :func:`judge_description`.  Close an
@@ -256,18 +256,16 @@ def build_judge(eval_cfg: Any, run_seed: int) -> Any:
     """
     import os
 
-    data = eval_cfg.judge.model_dump()
-    data.pop("seed", None)
-    sim_cfg = SimulatorConfig(**{**data, "initial_emotion": eval_cfg.initial_emotion})
-    simulator = build_simulator(sim_cfg, judge_seed(eval_cfg, run_seed))
-    url = _served_base_url(getattr(simulator, "backend", None)) if sim_cfg.backend in ("openai", "llamacpp") else None
+    judge_cfg = eval_cfg.judge
+    simulator = build_simulator(judge_cfg, judge_seed(eval_cfg, run_seed))
+    url = _served_base_url(getattr(simulator, "backend", None)) if judge_cfg.backend in ("openai", "llamacpp") else None
     if url is not None:
-        api_key = os.environ.get(sim_cfg.api_key_env) if sim_cfg.backend == "openai" else None
+        api_key = os.environ.get(judge_cfg.api_key_env) if judge_cfg.backend == "openai" else None
         backend = simulator.backend
         alias = getattr(backend, "model", None) or getattr(getattr(backend, "client", None), "model", None)
-        served = served_model_identity(url, min(float(sim_cfg.timeout_s), 30.0), model=alias, api_key=api_key)
+        served = served_model_identity(url, min(float(judge_cfg.timeout_s), 30.0), model=alias, api_key=api_key)
         simulator.served_model = served
-        _SERVED[_served_key(eval_cfg.judge)] = served
+        _SERVED[_served_key(judge_cfg)] = served
     return simulator
 
 

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import pandas as pd
 from matplotlib.figure import Figure
 
-from rlver_lib.config import RunConfig, ScenarioConfig, load_config
+from rlver_lib.config import RunConfig, ScenarioConfig, load_config, load_run_config
 from rlver_lib.evaluation.benchmark import trajectory_table
 from rlver_lib.files import PROJECT_ROOT, RunFolder, write_jsonl
 from rlver_lib.plots import plot_emotion_trajectories
@@ -27,9 +27,13 @@ def open_run(params_file: str | Path, run_dir: str | Path | None = None,
     ``output_root`` is taken from the project root, so a notebook opened in
     JupyterLab from ``notebooks/`` writes where ``rlver run`` would. The returned
     config has ``output_root``/``run_name`` pointing at that folder, so
-    ``cfg.run_dir`` is absolute. Raises :class:`ConfigError` on a bad params file.
+    ``cfg.run_dir`` is absolute. ``params_file`` may be the run folder's own
+    ``config.yaml`` (what :func:`run_pipeline` passes), also one an older version wrote
+    (:func:`rlver_lib.config.load_run_config`). Raises :class:`ConfigError` on a bad
+    params file.
     """
-    cfg = load_config(params_file, overrides)
+    own = run_dir is not None and Path(params_file).resolve() == RunFolder(run_dir).config.resolve()
+    cfg = (load_run_config if own else load_config)(params_file, overrides)
     if run_dir is None:
         root = Path(cfg.output_root)
         run_dir = (root if root.is_absolute() else PROJECT_ROOT / root) / cfg.run_name

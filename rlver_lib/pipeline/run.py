@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import yaml
 from tqdm import tqdm
 
-from rlver_lib.config import ConfigError, RunConfig, dump_config
+from rlver_lib.config import ConfigError, RunConfig, drop_unused_keys, dump_config
 from rlver_lib.files import PROJECT_ROOT, RunFolder, atomic_write_json, atomic_write_text, process_rank
 from rlver_lib.pipeline.manifest import new_manifest, read_manifest, track_peak_memory, utc_now
 from rlver_lib.pipeline.report import execute_notebook, render_report, report_header
@@ -174,19 +174,22 @@ def prepare_run_dir(cfg: RunConfig, params_file: str | None = None) -> tuple[Pat
 
     A run folder already holding a different resolved config raises
     :class:`ConfigError` (resuming must not silently change the experiment); change
-    ``run_name`` or delete the folder.
+    ``run_name`` or delete the folder. A ``config.yaml`` that differs only in the keys
+    an older version wrote but never used (:data:`rlver_lib.config.UNUSED_KEYS`) or in
+    the order of its keys is the same experiment: it is rewritten and the run resumes.
     """
     run_dir = cfg.run_dir.resolve()
     config_path = RunFolder(run_dir).config
     resolved = dump_config(cfg)
     if config_path.exists() and config_path.read_text(encoding="utf-8") != resolved:
-        old = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+        old = drop_unused_keys(yaml.safe_load(config_path.read_text(encoding="utf-8")) or {})
         new = cfg.model_dump(mode="json")
         changed = sorted(diff_keys(old, new))
-        raise ConfigError(
-            f"{run_dir} holds a run with a different config (changed: {', '.join(changed)}); "
-            "use another run_name or delete the folder to start over"
-        )
+        if changed:
+            raise ConfigError(
+                f"{run_dir} holds a run with a different config (changed: {', '.join(changed)}); "
+                "use another run_name or delete the folder to start over"
+            )
     atomic_write_text(config_path, resolved)
     manifest = read_manifest(run_dir) or new_manifest(cfg, params_file)
     return run_dir, manifest
