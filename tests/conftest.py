@@ -1,4 +1,4 @@
-"""Shared test fixtures: the embedded policy, a real loopback OpenAI server."""
+"""Shared test fixtures: the embedded policy, a real loopback OpenAI server, a fake GGUF file."""
 
 from __future__ import annotations
 
@@ -44,3 +44,12 @@ def openai_server() -> str:
     with LlamaServerBackend(smollm2_gguf_path(), n_ctx=2048, parallel=4, threads=1, seed=0,
                             alias="smollm2") as server:
         yield f"http://127.0.0.1:{server.port}"
+
+
+@pytest.fixture
+def fake_gguf(tmp_path):
+    """A file named like a GGUF model (``fake-model.gguf``) for the fake llama-servers of
+    tests/native_support.py."""
+    path = tmp_path / "fake-model.gguf"
+    path.write_bytes(b"GGUF")
+    return path

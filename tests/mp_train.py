@@ -12,8 +12,8 @@ plus optional keys:
   its own (:class:`OneByOne`), so a dialogue samples the same tokens whichever process
   (and batch) it lands in and a two-process run is comparable with a one-process run;
   false: the trainer's own batched backend and seeds;
-- ``change``: the rule simulator's change function, ``hashed`` (default: almost any two
-  replies differ, so GRPO groups carry signal) or ``starts_with_i``;
+- ``change``: the rule simulator's change function (tests/training_support.py), ``hashed``
+  (default: almost any two replies differ, so GRPO groups carry signal) or ``starts_with_i``;
 - ``error_on_rank``: that process's simulated user fails every dialogue (it then has
   nothing to train: zero-weight micro-batches);
 - ``expect_error``: the trainer must refuse the config (the message is recorded);
@@ -44,32 +44,15 @@ import json
 import os
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import torch
+from training_support import hashed_change, starts_with_i, tiny_scenarios
 
 from rlver_lib.backends import TransformersBackend, conversation_seed, derive_seed
 from rlver_lib.config import ConfigError, build_config
 from rlver_lib.files import iter_jsonl
-from rlver_lib.scenarios import Scenario
 from rlver_lib.simulator import RuleSimulator, SimulatorTurn
-
-OPENINGS = ["I had a rough day.", "My friend is mad at me.", "I feel stuck at work.", "Nobody listens to me."]
-
-
-def scenarios(n: int, identical: bool = False) -> list[Scenario]:
-    return [Scenario(id=f"s{i}", persona=f"Sam {0 if identical else i}, 30, a teacher",
-                     situation="Argued with a friend.", personality="negative", hidden_intention="be_heard",
-                     opening_line=OPENINGS[0 if identical else i % 4], language="en") for i in range(n)]
-
-
-def starts_with_i(reply: str) -> int:
-    return 10 if reply.lstrip().startswith("I") else -10
-
-
-def hashed(reply: str) -> int:
-    return zlib.crc32(reply.encode("utf-8")) % 21 - 10
 
 
 class FailingFor(RuleSimulator):
@@ -141,7 +124,7 @@ def train(run: dict) -> list[dict]:
     from rlver_lib.trainer import Trainer
 
     cfg = build_config(run["config"])
-    change = {"hashed": hashed, "starts_with_i": starts_with_i}[run.get("change", "hashed")]
+    change = {"hashed": hashed_change, "starts_with_i": starts_with_i}[run.get("change", "hashed")]
     rank = int(os.environ.get("RANK", "0"))
     failing = run.get("failing_scenarios")
     hang = run.get("hang_after_checkpoint")
@@ -149,7 +132,7 @@ def train(run: dict) -> list[dict]:
                            cfg.run_dir / "train" / "checkpoints" / f"step_{hang:06d}" if hang else None)
     out = cfg.run_dir / "train" / f"rank{rank}.json"
     try:
-        trainer = Trainer(cfg, scenarios(run["scenarios"], run.get("identical", False)), simulator=simulator)
+        trainer = Trainer(cfg, tiny_scenarios(run["scenarios"], run.get("identical", False)), simulator=simulator)
     except ConfigError as err:
         if not run.get("expect_error"):
             raise
@@ -162,7 +145,7 @@ def train(run: dict) -> list[dict]:
         trainer.train(stop_after=run["interrupt_after"])
         trainer.accelerator.wait_for_everyone()
         del trainer
-        trainer = Trainer(cfg, scenarios(run["scenarios"], run.get("identical", False)), simulator=simulator)
+        trainer = Trainer(cfg, tiny_scenarios(run["scenarios"], run.get("identical", False)), simulator=simulator)
         if run.get("one_by_one", True):
             trainer.policy_backend = OneByOne(trainer.policy_backend, trainer.step)
     resumed_from = trainer.step

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
-import stat
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
+from native_support import SIGILL_SERVER, executable_script
 
 from rlver_lib import native
 from rlver_lib.backends import BackendDied, LlamaServerBackend
@@ -149,17 +145,6 @@ def test_a_build_is_compiled_once_per_cpu_options_and_copied_to_new_environments
 # ---------------------------------------------------------------- crashing servers
 
 
-def _script(path: Path, body: str) -> Path:
-    path.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return path
-
-
-SIGILL_SERVER = """
-import os, signal
-os.kill(os.getpid(), signal.SIGILL)
-"""
-
 # A real OpenAI-compatible HTTP server on loopback that answers the simulator's two
 # structured calls, then dies by SIGSEGV on request number $DIE_AT.
 FLAKY_SERVER = """
@@ -198,40 +183,11 @@ ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-@pytest.fixture
-def fake_gguf(tmp_path):
-    path = tmp_path / "fake-model.gguf"
-    path.write_bytes(b"GGUF")
-    return path
-
-
 def test_server_killed_by_sigill_is_backend_died(tmp_path, fake_gguf):
-    binary = _script(tmp_path / "llama-server", SIGILL_SERVER)
+    binary = executable_script(tmp_path / "llama-server", SIGILL_SERVER)
     with pytest.raises(BackendDied, match="fake-model.gguf killed by SIGILL while starting") as info:
         LlamaServerBackend(fake_gguf, binary=binary, startup_timeout_s=30)
     assert info.value.signal == "SIGILL"
-
-
-def test_doctor_names_the_model_and_fails_on_sigill(tmp_path, fake_gguf):
-    from rlver_lib.doctor import report
-
-    binary = _script(tmp_path / "llama-server", SIGILL_SERVER)
-    out = io.StringIO()
-    status = report(policy=False, binary=binary, model_path=fake_gguf, out=out)
-    text = out.getvalue()
-    assert status == 1
-    assert "smoke simulator fake-model.gguf (llama-server): FAILED" in text
-    assert "killed by SIGILL" in text
-    assert "llama.cpp options for this CPU" in text and "threads: OMP_NUM_THREADS=" in text
-    assert "llama-server machine code: not checked (objdump cannot read it)" in text  # a script
-
-
-def test_doctor_cli_exit_status(tmp_path, fake_gguf):
-    from rlver_lib.cli import main
-
-    binary = _script(tmp_path / "llama-server", SIGILL_SERVER)
-    assert main(["doctor", "--no-policy", "--llama-server", str(binary),
-                 "--simulator-gguf", str(fake_gguf)]) == 1
 
 
 def _flaky_simulator(tmp_path, fake_gguf, die_at: int, monkeypatch):
@@ -239,7 +195,7 @@ def _flaky_simulator(tmp_path, fake_gguf, die_at: int, monkeypatch):
     from rlver_lib.simulator import UserSimulator
 
     monkeypatch.setenv("DIE_AT", str(die_at))
-    binary = _script(tmp_path / "llama-server", FLAKY_SERVER)
+    binary = executable_script(tmp_path / "llama-server", FLAKY_SERVER)
     backend = LlamaServerBackend(fake_gguf, binary=binary, parallel=2, timeout_s=10,
                                  max_retries=0, startup_timeout_s=30)
     return backend, UserSimulator(backend, SimulatorConfig(appraisal="first_person", max_retries=2), seed=0)
@@ -276,24 +232,24 @@ def test_no_server_process_survives_close(tmp_path, fake_gguf, monkeypatch):
 
 @pytest.mark.slow
 def test_training_step_with_a_dying_simulator_fails_cleanly_and_resumes(tmp_path, fake_gguf, monkeypatch):
-    from test_trainer import _cfg, _scenarios
+    from training_support import tiny_config, tiny_scenarios
 
     from rlver_lib.simulator import RuleSimulator
     from rlver_lib.trainer import Trainer, TrainerError
 
-    cfg = _cfg(tmp_path, "dies", steps=2, checkpoint_every=1)
+    cfg = tiny_config(tmp_path, "dies", steps=2, checkpoint_every=1)
     # step 1: 2 dialogues x 1 turn, appraised only (the last turn) = requests 1-2; request 3
     # (step 2) kills the server
     backend, simulator = _flaky_simulator(tmp_path, fake_gguf, 3, monkeypatch)
     try:
         with pytest.raises(TrainerError, match="(?s)backend died .*SIGSEGV.*run the same command again to resume"):
-            Trainer(cfg, _scenarios(2), simulator=simulator).train()
+            Trainer(cfg, tiny_scenarios(2), simulator=simulator).train()
     finally:
         backend.close()
     train_dir = cfg.run_dir / "train"
     assert [p.name for p in (train_dir / "checkpoints").iterdir()] == ["step_000001"]
     failed = [json.loads(line) for line in (train_dir / "dialogues" / "step_000002.failed.jsonl").open()]
     assert [r["termination"] for r in failed] == ["error", "error"]
-    resumed = Trainer(cfg, _scenarios(2), simulator=RuleSimulator())
+    resumed = Trainer(cfg, tiny_scenarios(2), simulator=RuleSimulator())
     assert resumed.step == 1
     assert [r["step"] for r in resumed.train()] == [1, 2]

@@ -8,20 +8,18 @@ about 10 s for each other model test.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from training_support import FakeAccelerator, hashed_change, starts_with_i, tiny_config, tiny_scenarios
 
 from rlver_lib import algorithms
 from rlver_lib.config import EMBEDDED_POLICY, ConfigError, build_config, load_config
 from rlver_lib.files import iter_jsonl
-from rlver_lib.scenarios import Scenario
 from rlver_lib.simulator import RuleSimulator
 from rlver_lib.trainer import (
-    TIMING_METRICS,
     Trainer,
     TrainerError,
     _Sample,
@@ -40,31 +38,6 @@ from rlver_lib.trainer import (
     train_reward,
     window_sizes,
 )
-
-OPENINGS = ["I had a rough day.", "My friend is mad at me.", "I feel stuck at work.", "Nobody listens to me."]
-
-
-def _scenarios(n: int) -> list[Scenario]:
-    return [Scenario(id=f"s{i}", persona=f"Sam {i}, 30, a teacher", situation="Argued with a friend.",
-                     personality="negative", hidden_intention="be_heard", opening_line=OPENINGS[i % 4],
-                     language="en") for i in range(n)]
-
-
-def starts_with_i(reply: str) -> int:
-    """+10 when the reply starts with the word "I" (I, I'm, I'd ...), else -10."""
-    return 10 if re.match(r"\s*I\b", reply) else -10
-
-
-def _cfg(tmp_path, name, **training):
-    return build_config({
-        "run_name": name, "output_root": str(tmp_path), "seed": 3,
-        "policy": {"max_new_tokens": 4, "lora": {"r": 4, "alpha": 8}},
-        "simulator": {"backend": "rule", "initial_emotion": 50},
-        "rollout": {"max_turns": 1},
-        "training": {"algorithm": "grpo", "steps": 4, "scenarios_per_step": 1, "group_size": 2,
-                     "mini_batch_size": 2, "learning_rate": 1e-3, "checkpoint_every": 2,
-                     "keep_checkpoints": 1, **training},
-    })
 
 
 def _schedule(n: int, count: int, seed: int, steps: int, position: int = 0) -> list[tuple[int, list[int]]]:
@@ -125,49 +98,33 @@ def test_sampler_refuses_more_scenarios_per_step_than_scenarios():
         sample_scenario_indices(0, 0, 1, seed=0)
 
 
-def _comparable(row):
-    """Everything but timings and memory; NaN (metrics not defined for the step) as None."""
-    return {k: None if isinstance(v, float) and math.isnan(v) else v
-            for k, v in row.items() if k not in TIMING_METRICS}
-
-
 # ---------------------------------------------------------------- launch and settings (no model)
-
-
-class _FakeAccelerator:
-    def __init__(self, num_processes=1, deepspeed_config=None, zero_stage=2):
-        plugin = None
-        if deepspeed_config is not None:
-            plugin = type("Plugin", (), {"deepspeed_config": deepspeed_config, "zero_stage": zero_stage})()
-        self.state = type("State", (), {"deepspeed_plugin": plugin})()
-        self.num_processes = num_processes
-        self.distributed_type = "NO"
 
 
 def test_every_process_training_alone_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(TrainerError, match="WORLD_SIZE=2 .* would train its own copy"):
-        check_launch(_FakeAccelerator(num_processes=1))
-    check_launch(_FakeAccelerator(num_processes=2))
+        check_launch(FakeAccelerator(num_processes=1))
+    check_launch(FakeAccelerator(num_processes=2))
     monkeypatch.delenv("WORLD_SIZE")
-    check_launch(_FakeAccelerator(num_processes=1))
+    check_launch(FakeAccelerator(num_processes=1))
     with pytest.raises(TrainerError, match="ZeRO-3"):
-        check_launch(_FakeAccelerator(deepspeed_config={}, zero_stage=3))
+        check_launch(FakeAccelerator(deepspeed_config={}, zero_stage=3))
 
 
 def test_deepspeed_config_gets_accumulation_clipping_and_micro_batch():
     training = build_config({"training": {"grad_accum_steps": 4, "max_grad_norm": 0.5,
                                           "mini_batch_size": 8}}).training
     config = {"gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}
-    configure_deepspeed(_FakeAccelerator(deepspeed_config=config), training)
+    configure_deepspeed(FakeAccelerator(deepspeed_config=config), training)
     # DeepSpeed's nominal micro-batch: 8 dialogues per optimizer step / (1 process x 4 micro-batches)
     assert config == {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 2,
                       "gradient_clipping": 0.5}
     with pytest.raises(TrainerError, match="gradient_clipping=1.0 but training.max_grad_norm is 0.5"):
-        configure_deepspeed(_FakeAccelerator(deepspeed_config={"gradient_clipping": 1.0}), training)
+        configure_deepspeed(FakeAccelerator(deepspeed_config={"gradient_clipping": 1.0}), training)
     # a second run in the same process gets the same plugin (accelerate's rule), filled in by
     # the first run: the launch's "auto" values come back before the second run's go in
-    accelerator = _FakeAccelerator(deepspeed_config=dict(config, gradient_accumulation_steps="auto",
+    accelerator = FakeAccelerator(deepspeed_config=dict(config, gradient_accumulation_steps="auto",
                                                          train_micro_batch_size_per_gpu="auto"))
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     configure_deepspeed(accelerator, training)
@@ -175,46 +132,7 @@ def test_deepspeed_config_gets_accumulation_clipping_and_micro_batch():
     second = build_config({"training": {"grad_accum_steps": 1, "max_grad_norm": 0.5, "mini_batch_size": 4}}).training
     configure_deepspeed(accelerator, second)
     assert config == {"gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5}
-    configure_deepspeed(_FakeAccelerator(), training)  # no DeepSpeed: nothing to do
-
-
-class _CheckpointAccelerator(_FakeAccelerator):
-    """What ``Checkpoints`` uses of an accelerator; ``load_state`` records its calls."""
-
-    def __init__(self, num_processes, deepspeed):
-        super().__init__(num_processes, deepspeed_config={} if deepspeed else None)
-        self.loaded = []
-
-    def register_save_state_pre_hook(self, hook):
-        pass
-
-    def register_load_state_pre_hook(self, hook):
-        pass
-
-    def load_state(self, path, **kwargs):
-        self.loaded.append((path, kwargs))
-
-
-def test_a_zero_checkpoint_of_another_process_count_is_refused_before_deepspeed_loads_it(tmp_path):
-    from rlver_lib.checkpoint import STATE_FILE, CheckpointError, Checkpoints
-
-    folder = tmp_path / "step_000001"
-    folder.mkdir()
-    (folder / "random_states_0.pkl").write_bytes(b"")
-    (folder / STATE_FILE).write_text('{"step": 1, "num_processes": 2}', encoding="utf-8")
-    # DeepSpeed cannot re-partition ZeRO's optimizer states (it raises only after loading the model)
-    accelerator = _CheckpointAccelerator(1, deepspeed=True)
-    with pytest.raises(CheckpointError, match=r"written by 2 process\(es\) under DeepSpeed ZeRO, resumed on 1.*"
-                                              r"policy.adapter: .*step_000001/adapter"):
-        Checkpoints(accelerator, tmp_path, torch.nn.Linear(1, 1), keep=1).load(folder)
-    assert accelerator.loaded == []
-    accelerator = _CheckpointAccelerator(2, deepspeed=True)
-    Checkpoints(accelerator, tmp_path, torch.nn.Linear(1, 1), keep=1).load(folder)
-    assert accelerator.loaded == [(str(folder), {"load_module_strict": False})]
-    accelerator = _CheckpointAccelerator(1, deepspeed=False)  # without DeepSpeed: a warning
-    with pytest.warns(UserWarning, match="RNG states of ranks without a saved state are not restored"):
-        Checkpoints(accelerator, tmp_path, torch.nn.Linear(1, 1), keep=1).load(folder)
-    assert len(accelerator.loaded) == 1
+    configure_deepspeed(FakeAccelerator(), training)  # no DeepSpeed: nothing to do
 
 
 @pytest.mark.parametrize("schedule,warmup,expected", [
@@ -246,7 +164,7 @@ def test_trainer_refuses_settings_that_bias_the_ratio(tmp_path):
         node[override[-1]] = reason
         cfg = build_config(data)  # an evaluation-only run may use these
         with pytest.raises(ConfigError, match=override[-1]):
-            Trainer(cfg, _scenarios(2))
+            Trainer(cfg, tiny_scenarios(2))
         with pytest.raises(ConfigError, match=override[-1]):
             build_config({**data, "stages": ["train"]})
 
@@ -471,7 +389,7 @@ def test_first_mini_batch_has_ratio_one_at_temperature_0_7_and_warmup_is_honoure
         "training": {"algorithm": "ppo", "steps": 2, "scenarios_per_step": 1, "group_size": 2,
                      "mini_batch_size": 2, "epochs_per_step": 1, "learning_rate": 1e-3, "warmup_steps": 2,
                      "checkpoint_every": 100}})
-    trainer = Trainer(cfg, _scenarios(2), simulator=RuleSimulator(starts_with_i))
+    trainer = Trainer(cfg, tiny_scenarios(2), simulator=RuleSimulator(starts_with_i))
     trainer.policy_backend = _Resting(trainer.policy_backend)
     rows = trainer.train()
     # the rollout backend rests (vLLM's sleep mode) once a step, after its last turn's
@@ -505,10 +423,10 @@ def _padded(samples, key):
 @pytest.mark.slow
 def test_error_dialogues_are_counted_and_accumulation_steps_once_per_window_with_the_full_gradient(tmp_path):
     torch.set_num_threads(2)
-    cfg = _cfg(tmp_path, "accum", algorithm="ppo", vf_coef=0.0, steps=1, scenarios_per_step=2, group_size=2,
+    cfg = tiny_config(tmp_path, "accum", algorithm="ppo", vf_coef=0.0, steps=1, scenarios_per_step=2, group_size=2,
                mini_batch_size=2, grad_accum_steps=2, max_grad_norm=1e6, entropy_coef=0.0, is_correction=False)
     cfg.policy.dtype = "float32"
-    trainer = Trainer(cfg, _scenarios(2), simulator=_Erroring(starts_with_i))
+    trainer = Trainer(cfg, tiny_scenarios(2), simulator=_Erroring(starts_with_i))
     # error dialogues: left out by default, counted; trained on with reward 0 on request
     dropped = trainer.train()[0]
     trainer.training = trainer.training.model_copy(update={"error_dialogues": "zero_reward"})
@@ -562,48 +480,6 @@ def test_error_dialogues_are_counted_and_accumulation_steps_once_per_window_with
 
 
 @pytest.mark.slow
-def test_resume_after_interruption_reproduces_metrics(tmp_path):
-    torch.set_num_threads(2)
-    sim = RuleSimulator(starts_with_i)
-    scenarios = _scenarios(3)
-    full = Trainer(_cfg(tmp_path, "full", algorithm="ppo", vf_coef=0.5), scenarios, simulator=sim).train()
-
-    cut = _cfg(tmp_path, "cut", algorithm="ppo", vf_coef=0.5)
-    Trainer(cut, scenarios, simulator=sim).train(stop_after=3)  # killed after step 3; checkpoint at 2
-    ckpts = sorted((cut.run_dir / "train" / "checkpoints").iterdir())
-    assert [p.name for p in ckpts] == ["step_000002"]
-    assert {"adapter", "model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl",
-            "trainer_state.json", "config.yaml"} <= {p.name for p in ckpts[0].iterdir()}
-    from safetensors.torch import load_file
-
-    saved = load_file(str(ckpts[0] / "model.safetensors"))  # trainable weights only: LoRA and value head
-    assert saved and all("lora_" in k or k.startswith("value_head.") for k in saved)
-    resumed = Trainer(cut, scenarios, simulator=sim)
-    assert resumed.step == 2 and resumed.data_position == 2
-    rows = resumed.train()
-
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    for a, b in zip(full, rows):
-        assert _comparable(a) == _comparable(b)
-    logged = [row for _, row in iter_jsonl(cut.run_dir / "train" / "metrics.jsonl")]
-    assert [r["step"] for r in logged] == [1, 2, 3, 4]
-    assert math.isfinite(full[-1]["value_loss"]) and math.isfinite(full[-1]["policy_loss"])
-
-    # the final adapter loads in a plain peft script and carries the trained weights
-    from peft import PeftModel
-
-    from rlver_lib.models import load_causal_lm
-
-    base, _ = load_causal_lm("embedded:smollm2-135m-instruct", "bfloat16")
-    loaded = PeftModel.from_pretrained(base, str(cut.run_dir / "train" / "adapter"))
-    trained = dict(resumed.model.policy.named_parameters())
-    for name, p in loaded.named_parameters():
-        if "lora_B" in name:
-            torch.testing.assert_close(p.float(), trained[name].float())
-            assert p.abs().sum() > 0
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("algorithm,extra", [
     ("grpo", {}),
     ("ppo", {"vf_coef": 0.1, "value_learning_rate": 1e-3}),
@@ -617,9 +493,9 @@ def test_learner_moves_reward_of_real_policy_the_way_it_is_told(tmp_path, algori
     (``reward_mean``, never the scaled one) falls; ignoring the scale would lower it."""
     torch.set_num_threads(2)
     scale = extra.get("reward_scale", 1.0)
-    cfg = _cfg(tmp_path, algorithm, algorithm=algorithm, steps=6, scenarios_per_step=2, group_size=4,
+    cfg = tiny_config(tmp_path, algorithm, algorithm=algorithm, steps=6, scenarios_per_step=2, group_size=4,
                mini_batch_size=8, learning_rate=5e-3, checkpoint_every=100, entropy_coef=0.0, **extra)
-    rows = Trainer(cfg, _scenarios(4), simulator=RuleSimulator(lambda reply: scale * starts_with_i(reply))).train()
+    rows = Trainer(cfg, tiny_scenarios(4), simulator=RuleSimulator(lambda reply: scale * starts_with_i(reply))).train()
     curve = [round(r["reward_mean"], 3) for r in rows]
     print(f"{algorithm} {extra} reward curve: {curve}")
     share_i = [(r - 0.4) / 0.2 if scale > 0 else (0.6 - r) / 0.2 for r in curve]  # replies starting with "I"
@@ -652,14 +528,6 @@ def test_paper_recipe_runs_its_whole_sampler_schedule(recipe):
 STEP_RECIPES = [p for p in RECIPES if p.stem in ("paper-grpo-think-moderate", "paper-ppo-nothink-moderate")]
 
 
-def hashed_change(reply: str) -> int:
-    """A rule-simulator change that differs between almost any two replies (-10..10), so
-    GRPO groups carry signal and PPO returns vary."""
-    import zlib
-
-    return zlib.crc32(reply.encode("utf-8")) % 21 - 10
-
-
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_paper_recipe_makes_four_optimizer_steps_a_step_on_any_number_of_processes(recipe):
     training = load_config(recipe).training
@@ -688,7 +556,7 @@ def test_paper_recipe_takes_a_real_step_on_the_embedded_policy(tmp_path, recipe)
         "policy.max_new_tokens": 3, "simulator.backend": "rule", "rollout.max_turns": 1,
         "training.steps": 1, "training.scenarios_per_step": steps_per_step // recipe_cfg.training.group_size,
         "training.mini_batch_size": 1, "training.grad_accum_steps": 1})
-    trainer = Trainer(cfg, _scenarios(4), simulator=RuleSimulator(hashed_change))
+    trainer = Trainer(cfg, tiny_scenarios(4), simulator=RuleSimulator(hashed_change))
     rows = trainer.train()
     training = cfg.training
     assert steps_per_step == 4
