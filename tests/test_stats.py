@@ -136,3 +136,38 @@ def test_sign_flip_monte_carlo_above_the_exact_range():
     assert sign_flip_test(np.full(40, 1.0), n_resamples=99, seed=0) == 1 / 100
     with pytest.raises(ValueError):
         sign_flip_test([1.0, 2.0], n_resamples=0)
+
+
+def test_bootstrap_matches_hand_computed_percentiles():
+    values = np.array([3.0, 7.0, 1.0, 9.0, 5.0])
+    est = bootstrap_ci(values, n_boot=7, confidence=0.9, seed=3)
+    idx = np.random.default_rng(3).integers(0, 5, size=(7, 5))
+    means = sorted(values[row].mean() for row in idx)
+    # 5th / 95th percentile of 7 sorted means, linear interpolation: positions 0.3 and 5.7
+    low = means[0] + 0.3 * (means[1] - means[0])
+    high = means[5] + 0.7 * (means[6] - means[5])
+    assert est.value == pytest.approx(5.0)
+    assert (est.low, est.high) == pytest.approx((low, high))
+    assert bootstrap_ci(values, n_boot=7, confidence=0.9, seed=3) == est
+
+
+def test_bootstrap_degenerate_and_errors():
+    est = bootstrap_ci([42.0] * 6, n_boot=50, seed=1)
+    assert (est.value, est.low, est.high) == (42.0, 42.0, 42.0)
+    with pytest.raises(ValueError):
+        bootstrap_ci([], n_boot=10)
+    with pytest.raises(ValueError):
+        bootstrap_ci([1.0, np.nan], n_boot=10)
+    with pytest.raises(ValueError):
+        bootstrap_ci([1.0, 2.0], confidence=1.5)
+
+
+def test_bootstrap_covers_known_mean_about_95_percent():
+    rng = np.random.default_rng(0)
+    hits = 0
+    trials = 200
+    for t in range(trials):
+        sample = rng.normal(10.0, 2.0, size=60)
+        est = bootstrap_ci(sample, n_boot=400, seed=t)
+        hits += est.low <= 10.0 <= est.high
+    assert 0.88 <= hits / trials <= 0.99

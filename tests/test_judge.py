@@ -1,0 +1,308 @@
+"""The benchmark's judge (rlver_lib.evaluation.judge): its identity (description, prompt and
+schema fingerprints, the model a server serves) and the refusal of mixed judges."""
+
+from __future__ import annotations
+
+import hashlib as _hashlib
+import http.server as _http_server
+import json
+import threading as _threading
+from contextlib import contextmanager as _contextmanager
+from pathlib import Path as _Path
+from types import SimpleNamespace as _NS
+
+import pytest
+
+from rlver_lib.backends import close_backend
+from rlver_lib.config import EvaluationConfig
+
+
+def test_mixed_judges_are_refused():
+    from rlver_lib.evaluation.judge import JudgeMismatchError, check_same_judge
+
+    proto = {"name": "full", "initial_emotion": 40, "max_policy_turns": 10, "appraised_turns": 10, "repeats": 1}
+    moderate = {"backend": "llamacpp", "model": "m", "difficulty": "moderate", "seed": 0}
+    check_same_judge({"x": {"judge": moderate, "protocol": proto}, "y": {"judge": dict(moderate), "protocol": proto}})
+    with pytest.raises(JudgeMismatchError, match=r"judge\.difficulty: x='moderate' vs y='hard'"):
+        check_same_judge({"x": {"judge": moderate, "protocol": proto},
+                          "y": {"judge": {**moderate, "difficulty": "hard"}, "protocol": proto}})
+    with pytest.raises(JudgeMismatchError, match="protocol.name"):
+        check_same_judge({"x": {"judge": moderate, "protocol": proto},
+                          "y": {"judge": moderate, "protocol": {**proto, "name": "sage"}}})
+    with pytest.raises(JudgeMismatchError, match="no judge and protocol recorded for old"):
+        check_same_judge({"x": {"judge": moderate, "protocol": proto}, "old": {"sentient_score": {}}})
+
+
+# Every sampling setting, the field caps, n_ctx, the prompt files and schemas actually
+# used, and the model behind a served alias are part of a judge's identity (issue 21,
+# point 2).
+
+_PROMPTS = _Path(__file__).resolve().parents[1] / "rlver_lib" / "prompts"
+
+
+def _judge_ns(**overrides):
+    """A judge config as a plain namespace: works whatever fields the pydantic config has today."""
+    fields = {"backend": "openai", "model": "judge-alias", "base_url": "http://judge.invalid/v1",
+              "api_key_env": "OPENAI_API_KEY", "difficulty": "moderate", "initial_emotion": 40,
+              "temperature": 0.7, "top_p": 0.9, "top_k": 7, "min_p": 0.02, "repetition_penalty": 1.1,
+              "presence_penalty": 0.3, "frequency_penalty": -0.2, "max_new_tokens": 512, "max_retries": 3,
+              "timeout_s": 180.0, "concurrency": 64, "n_threads": None, "n_ctx": 8192, "appraisal_chars": 1200,
+              "message_chars": 900, "appraisal": "sage", "seed": None}
+    fields.update(overrides)
+    return _NS(**fields)
+
+
+def _sha_of_files(names):
+    digest = _hashlib.sha256()
+    for name in sorted(names):
+        digest.update(name.encode() + b"\0" + (_PROMPTS / name).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def test_judge_description_records_every_sampling_setting_cap_and_n_ctx(monkeypatch):
+    from rlver_lib.evaluation.judge import judge_description
+
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
+    d = judge_description(_judge_ns(), seed=11)
+    assert {k: d[k] for k in ("backend", "model", "base_url", "difficulty", "appraisal", "temperature", "top_p",
+                              "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                              "max_new_tokens", "n_ctx", "appraisal_chars", "message_chars", "seed")} == {
+        "backend": "openai", "model": "judge-alias", "base_url": "http://judge.invalid/v1", "difficulty": "moderate",
+        "appraisal": "sage", "temperature": 0.7, "top_p": 0.9, "top_k": 7, "min_p": 0.02, "repetition_penalty": 1.1,
+        "presence_penalty": 0.3, "frequency_penalty": -0.2, "max_new_tokens": 512, "n_ctx": 8192,
+        "appraisal_chars": 1200, "message_chars": 900, "seed": 11}
+    # settings that do not change an answer are not identity; nothing was asked of a server
+    assert not {"max_retries", "timeout_s", "concurrency", "n_threads", "api_key_env", "initial_emotion",
+                "served"} & set(d)
+    assert d == judge_description(_judge_ns(concurrency=2, timeout_s=5.0, max_retries=0), seed=11)
+    for key, value in {"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                       "frequency_penalty": 0.0, "top_p": 1.0, "n_ctx": 4096, "message_chars": 400}.items():
+        assert judge_description(_judge_ns(**{key: value}), seed=11)[key] == value
+        assert judge_description(_judge_ns(**{key: value}), seed=11) != d, key
+
+
+def test_judge_description_reads_missing_fields_with_defaults(monkeypatch):
+    """A config written before the sampling fields and the appraisal mode existed (or one
+    spelling llama.cpp's ``repeat_penalty``) is still described."""
+    from rlver_lib.evaluation.judge import judge_description
+
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
+    old = _judge_ns()
+    for name in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "appraisal"):
+        delattr(old, name)
+    d = judge_description(old, seed=0)
+    assert (d["top_p"], d["top_k"], d["min_p"], d["repetition_penalty"], d["presence_penalty"],
+            d["frequency_penalty"], d["appraisal"]) == (1.0, 0, 0.0, 1.0, 0.0, 0.0, "first_person")
+    spelled = _judge_ns(repeat_penalty=1.3)
+    delattr(spelled, "repetition_penalty")
+    assert judge_description(spelled, seed=0)["repetition_penalty"] == 1.3
+    # the real config, before or after its sampling fields were added
+    from rlver_lib.config import JudgeConfig
+
+    cfg = JudgeConfig(backend="openai", base_url="http://h/v1", model="m")
+    d = judge_description(cfg, seed=0)
+    assert d["top_k"] == getattr(cfg, "top_k", 0) and d["min_p"] == getattr(cfg, "min_p", 0.0)
+    assert d["n_ctx"] == cfg.n_ctx and d["appraisal_chars"] == cfg.appraisal_chars
+
+
+def test_judge_description_expected_settings_only_for_the_expected_appraisal(monkeypatch):
+    from rlver_lib.evaluation.judge import judge_description
+
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
+    extra = {"expected_center": 0.6, "expected_scale": 30.0, "expected_answer_order": "no_yes"}
+    sage = judge_description(_judge_ns(appraisal="sage", **extra), seed=0)
+    assert not any(k.startswith("expected_") for k in sage)
+    expected = judge_description(_judge_ns(appraisal="expected", **extra), seed=0)
+    assert {k: expected[k] for k in extra} == extra
+    from rlver_lib.simulator import UserSimulator
+
+    assert expected["expected_top_logprobs"] == UserSimulator.TOP_N
+    assert expected["expected_difficulty_shift"] == 0.0  # moderate
+    hard = judge_description(_judge_ns(appraisal="expected", difficulty="hard", **extra), seed=0)
+    assert hard["expected_difficulty_shift"] > 0  # a harsh user needs a clearer "yes"
+
+
+def test_judge_prompt_fingerprint_covers_the_files_of_its_mode_and_difficulty(monkeypatch):
+    from rlver_lib import simulator
+    from rlver_lib.evaluation.judge import judge_description
+
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
+    sage = judge_description(_judge_ns(appraisal="sage"), seed=0)
+    files = set(sage["prompt_files"])
+    assert {"sim_appraise_sage_en.txt", "sim_appraise_sage_zh.txt", "sim_difficulty_moderate_sage_en.txt",
+            "sim_difficulty_moderate_sage_zh.txt", "sim_system_en.txt", "sim_system_zh.txt", "sim_vocab_en.json",
+            "sim_vocab_zh.json", "sim_reply_en.txt", "sim_reply_zh.txt", "sim_opening_en.txt",
+            "sim_opening_zh.txt"} <= files
+    assert not files & {"sim_appraise_en.txt", "sim_appraise_zh.txt", "sim_difficulty_moderate_en.txt",
+                        "sim_difficulty_hard_sage_en.txt", "sim_difficulty_easy_sage_zh.txt",
+                        "sim_checklist_en.json"}
+    assert sage["prompts_sha256"] == _sha_of_files(sage["prompt_files"])
+    first = judge_description(_judge_ns(appraisal="first_person"), seed=0)
+    assert {"sim_appraise_en.txt", "sim_difficulty_moderate_en.txt"} <= set(first["prompt_files"])
+    assert not {n for n in first["prompt_files"] if "_sage_" in n or n.startswith("sim_checklist_")}
+    assert first["prompts_sha256"] == _sha_of_files(first["prompt_files"]) != sage["prompts_sha256"]
+    expected = judge_description(_judge_ns(appraisal="expected"), seed=0)
+    assert {"sim_checklist_en.json", "sim_checklist_zh.json", "sim_system_en.txt"} <= set(expected["prompt_files"])
+    assert not {n for n in expected["prompt_files"] if n.startswith(("sim_appraise_", "sim_difficulty_"))}
+    hard = judge_description(_judge_ns(appraisal="sage", difficulty="hard"), seed=0)
+    assert "sim_difficulty_hard_sage_en.txt" in hard["prompt_files"]
+    assert hard["prompts_sha256"] != sage["prompts_sha256"]
+    # the simulator's own list is what is recorded
+    assert sage["prompt_files"] == simulator.prompt_files(_judge_ns(appraisal="sage"))
+
+
+def test_judge_schema_fingerprint_is_the_schemas_built_in_code(monkeypatch):
+    from rlver_lib import simulator
+    from rlver_lib.evaluation.judge import judge_description
+
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
+    # the reply schema follows the field caps, so a cap is part of the fingerprint
+    assert (judge_description(_judge_ns(message_chars=300), seed=0)["schemas_sha256"]
+            != judge_description(_judge_ns(message_chars=301), seed=0)["schemas_sha256"])
+    first = judge_description(_judge_ns(appraisal="first_person", appraisal_chars=50), seed=0)
+    built = {"appraise": simulator.appraisal_schema(50), "reply": simulator.reply_schema(50, 900),
+             "opening": simulator.OPENING_SCHEMA}
+    text = json.dumps(built, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    assert first["schemas_sha256"] == _hashlib.sha256(text.encode("utf-8")).hexdigest()
+    sage = judge_description(_judge_ns(appraisal="sage", appraisal_chars=50), seed=0)
+    assert sage["schemas_sha256"] != first["schemas_sha256"]  # the same caps, SAGE's five-value scale
+    expected = judge_description(_judge_ns(appraisal="expected", appraisal_chars=50), seed=0)
+    built = {"reply": simulator.reply_schema(50, 900, reasoning=False), "opening": simulator.OPENING_SCHEMA}
+    text = json.dumps(built, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    assert expected["schemas_sha256"] == _hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@_contextmanager
+def _stub_server(routes):
+    """A loopback HTTP server answering GET ``path`` with ``routes[path]`` as JSON, else 404."""
+
+    class Handler(_http_server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = routes.get(self.path)
+            payload = json.dumps(body).encode() if body is not None else b'{"error": "not found"}'
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = _http_server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = _threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_judge_server_identity_tolerates_404_and_keeps_what_names_the_weights():
+    from conftest import free_port
+
+    from rlver_lib.evaluation.judge import served_model_identity
+
+    vllm_like = {"object": "list", "data": [
+        {"id": "simulator", "object": "model", "created": 1712345678, "owned_by": "vllm",
+         "root": "deepseek-ai/DeepSeek-V3", "parent": None, "max_model_len": 16384,
+         "permission": [{"id": "modelperm-abc", "created": 1712345678}]},
+        {"id": "judge", "object": "model", "created": 1712345678, "owned_by": "vllm",
+         "root": "deepseek-ai/DeepSeek-V3", "parent": None, "max_model_len": 16384}]}
+    with _stub_server({"/v1/models": vllm_like}) as url:
+        got = served_model_identity(url + "/v1", 5, model="simulator")
+        assert got == {"models": [{"id": "simulator", "owned_by": "vllm", "root": "deepseek-ai/DeepSeek-V3",
+                                   "parent": None, "max_model_len": 16384}],
+                       "model_listed": True, "props_error": "HTTP 404"}
+        unknown = served_model_identity(url, 5, model="no-such-alias")
+        assert unknown["model_listed"] is False and [m["id"] for m in unknown["models"]] == ["simulator", "judge"]
+    with _stub_server({}) as url:
+        assert served_model_identity(url, 5) == {"models_error": "HTTP 404", "props_error": "HTTP 404"}
+    assert served_model_identity(f"http://127.0.0.1:{free_port()}", 2) == {"models_error": "ConnectError",
+                                                                          "props_error": "ConnectError"}
+
+
+def test_judge_server_identity_of_a_real_llama_server(openai_server):
+    from rlver_lib.evaluation.judge import served_model_identity
+    from rlver_lib.models import smollm2_gguf_path
+
+    got = served_model_identity(openai_server, 30, model="smollm2")
+    assert got["model_listed"] is True and [m["id"] for m in got["models"]] == ["smollm2"]
+    assert "created" not in got["models"][0]
+    props = got["props"]
+    assert props["model_path"] == str(smollm2_gguf_path())
+    assert props["default_generation_settings"]["n_ctx"] == 2048  # the fixture's context per slot
+    assert len(props["chat_template_sha256"]) == 64
+    # the same answer through the /v1 root and on a second call: nothing volatile is kept
+    assert served_model_identity(openai_server + "/v1", 30, model="smollm2") == got
+
+
+def test_build_judge_records_the_model_behind_the_alias(openai_server, monkeypatch):
+    from rlver_lib.config import JudgeConfig
+    from rlver_lib.evaluation.judge import (
+        build_judge,
+        judge_description,
+        judge_name,
+        served_model_identity,
+    )
+    from rlver_lib.models import smollm2_gguf_path
+
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    eval_cfg = EvaluationConfig(judge=JudgeConfig(backend="openai", base_url=openai_server + "/v1", model="smollm2",
+                                                  concurrency=1))
+    before = judge_description(eval_cfg.judge, seed=4)
+    assert "served" not in before
+    judge = build_judge(eval_cfg, run_seed=4)
+    try:
+        assert judge.served_model == served_model_identity(openai_server, 30, model="smollm2")
+        described = judge_description(eval_cfg.judge, seed=4)
+        assert described["served"] == judge.served_model
+        assert {k: v for k, v in described.items() if k != "served"} == before
+        assert described["served"]["props"]["model_path"] == str(smollm2_gguf_path())
+        name = judge_name(described)
+        assert f"`smollm2` (serving `{smollm2_gguf_path().name}`) through `openai` at {openai_server}/v1" in name
+        assert "top_k" in name and "min_p" in name and "seed 4" in name
+    finally:
+        close_backend(judge)
+
+
+def test_build_judge_asks_the_llama_server_it_started(monkeypatch):
+    """A ``llamacpp`` judge: the server the backend started on a free port is asked."""
+    from rlver_lib.config import JudgeConfig
+    from rlver_lib.evaluation.judge import build_judge, judge_description
+    from rlver_lib.models import EMBEDDED_POLICY, smollm2_gguf_path
+
+    monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
+    eval_cfg = EvaluationConfig(judge=JudgeConfig(backend="llamacpp", model=EMBEDDED_POLICY, concurrency=1,
+                                                  n_ctx=1024, n_threads=1))
+    judge = build_judge(eval_cfg, run_seed=0)
+    try:
+        served = judge_description(eval_cfg.judge, seed=0)["served"]
+        assert served["model_listed"] is True
+        assert [m["id"] for m in served["models"]] == [smollm2_gguf_path().stem]  # the backend's alias
+        assert served["props"]["model_path"] == str(smollm2_gguf_path())
+        assert served["props"]["default_generation_settings"]["n_ctx"] == 1024
+    finally:
+        close_backend(judge)
+
+
+def test_check_same_judge_names_nested_served_and_sampling_differences():
+    from rlver_lib.evaluation.judge import JudgeMismatchError, check_same_judge
+
+    proto = {"name": "full", "initial_emotion": 40, "max_policy_turns": 10, "appraised_turns": 10, "repeats": 1}
+    judge = {"backend": "openai", "model": "simulator", "top_k": 0, "seed": 0,
+             "served": {"models": [{"id": "simulator", "root": "Qwen/Qwen2.5-72B-Instruct"}],
+                        "props": {"model_path": "/m/a.gguf"}}}
+    check_same_judge({"x": {"judge": judge, "protocol": proto},
+                      "y": {"judge": json.loads(json.dumps(judge)), "protocol": proto}})
+    other = {**judge, "top_k": 40, "served": {**judge["served"], "props": {"model_path": "/m/b.gguf"}}}
+    with pytest.raises(JudgeMismatchError) as err:
+        check_same_judge({"x": {"judge": judge, "protocol": proto}, "y": {"judge": other, "protocol": proto}})
+    assert "judge.top_k: x=0 vs y=40" in str(err.value)
+    assert "judge.served.props.model_path: x='/m/a.gguf' vs y='/m/b.gguf'" in str(err.value)
+    unserved = {k: v for k, v in judge.items() if k != "served"}
+    with pytest.raises(JudgeMismatchError, match=r"judge\.served\.props\.model_path: x='/m/a\.gguf' vs y=None"):
+        check_same_judge({"x": {"judge": judge, "protocol": proto}, "y": {"judge": unserved, "protocol": proto}})
