@@ -1,4 +1,5 @@
-"""Shared test fixtures: the embedded policy, a real loopback OpenAI server, a fake GGUF file."""
+"""Shared test fixtures: the embedded policy, a real loopback OpenAI server, a fake GGUF
+file, two fake run folders."""
 
 from __future__ import annotations
 
@@ -53,3 +54,13 @@ def fake_gguf(tmp_path):
     path = tmp_path / "fake-model.gguf"
     path.write_bytes(b"GGUF")
     return path
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """Two fake run folders (tests/analysis_support.py ``make_run``): ``ppo-think`` (moderate
+    simulator, trained score 70) and ``grpo-nothink`` (hard, 50)."""
+    from analysis_support import make_run
+
+    return [make_run(tmp_path, "ppo-think", "ppo", True, "moderate", 70.0),
+            make_run(tmp_path, "grpo-nothink", "grpo", False, "hard", 50.0)]

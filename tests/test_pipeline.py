@@ -13,6 +13,7 @@ import textwrap
 
 import nbformat
 import pytest
+import yaml
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from rlver_lib.config import ConfigError, build_config, dump_config
@@ -261,6 +262,25 @@ def test_ablation_skips_finished_cells(tmp_path, notebooks):
     assert len(done["runs"]) == 1 and "skipped_at" not in done["stages"]["scenarios"]
     assert len(resumed["runs"]) == 2 and resumed["status"] == "complete"
     assert resumed["stages"]["scenarios"]["started"] >= resumed["runs"][1]["started"]  # re-ran
+
+
+def test_ablation_header_lists_what_varies_per_cell(tmp_path):
+    from rlver_lib.pipeline.ablate import ablation_header, load_grid
+
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(yaml.safe_dump({"name": "g", "output_root": str(tmp_path / "out"),
+                                    "base": {"simulator": {"backend": "rule"}, "training": {"steps": 3}},
+                                    "axes": {"training.algorithm": ["grpo", "ppo"], "policy.think": [False, True]}},
+                                   sort_keys=False))
+    _, cells = load_grid(grid)
+    header = ablation_header("g", ["training.algorithm", "policy.think"], cells)
+    rows = [line for line in header.splitlines() if line.startswith("| `")]
+    assert rows == ["| `algorithm-grpo_think-false` | grpo | False | GRPO, 3 step(s) | off | moderate |",
+                    "| `algorithm-grpo_think-true` | grpo | True | GRPO, 3 step(s) | on | moderate |",
+                    "| `algorithm-ppo_think-false` | ppo | False | PPO, 3 step(s) | off | moderate |",
+                    "| `algorithm-ppo_think-true` | ppo | True | PPO, 3 step(s) | on | moderate |"]
+    shared = header.split("**Models that ran (every cell).**", 1)[1]
+    assert "GRPO" not in shared and "think mode" not in shared  # the base config is not passed off as every cell's
 
 
 def test_non_main_rank_waits_for_rank_0_then_runs_only_training(tmp_path, notebooks, monkeypatch):
