@@ -84,6 +84,18 @@ def kill_launch(process: subprocess.Popen) -> None:
             pass
 
 
+def wait_for_launch(process: subprocess.Popen) -> str:
+    """Wait for a launch (at most :data:`LAUNCH_TIMEOUT_S`); its output. On a hang the
+    launcher and its workers are killed (:func:`kill_launch`) and the test fails."""
+    try:
+        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_launch(process)
+        output, _ = process.communicate()
+        pytest.fail(f"launch did not finish within {LAUNCH_TIMEOUT_S} s (hang?):\n{output[-3000:]}")
+    return output
+
+
 def _launch(tmp_path: Path, runs: list[dict], *, cpu: bool = True,
             env_extra: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     """torchrun with 2 processes over ``runs``; the launcher and its workers are killed on timeout."""
@@ -99,12 +111,7 @@ def _launch(tmp_path: Path, runs: list[dict], *, cpu: bool = True,
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_launch(process)
-        output, _ = process.communicate()
-        pytest.fail(f"two-process run did not finish within {LAUNCH_TIMEOUT_S} s (hang?):\n{output[-3000:]}")
+    output = wait_for_launch(process)
     return subprocess.CompletedProcess(command, process.returncode, output, ""), time.perf_counter() - start
 
 

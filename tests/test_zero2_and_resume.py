@@ -45,7 +45,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_multiprocess import DRIVER, LAUNCH_TIMEOUT_S, REPO, TIMEOUT_S, _config, _ranks, _rows, kill_launch
+from test_multiprocess import (
+    DRIVER,
+    LAUNCH_TIMEOUT_S,
+    REPO,
+    TIMEOUT_S,
+    _config,
+    _ranks,
+    _rows,
+    kill_launch,
+    wait_for_launch,
+)
 
 ZERO2 = REPO / "params" / "accelerate" / "zero2.yaml"
 LEARNING_RATE = 1e-3
@@ -77,12 +87,7 @@ def _start(tmp_path: Path, runs: list[dict], launcher: list[str], *, cpu: bool) 
 
 def _finish(process: subprocess.Popen) -> str:
     """Wait for the launch; its output. Fails (after killing the whole group) on a hang or an error."""
-    try:
-        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_launch(process)
-        output, _ = process.communicate()
-        pytest.fail(f"launch did not finish within {LAUNCH_TIMEOUT_S} s (hang?):\n{output[-3000:]}")
+    output = wait_for_launch(process)
     assert process.returncode == 0, output[-5000:]
     return output
 
