@@ -262,8 +262,10 @@ class RunFolder:
         return self.train_dialogues / f"{self.step_name(step)}{'.failed' if failed else ''}.jsonl"
 
     def step_dialogues(self) -> list[Path]:
-        """Every ``train/dialogues/step_*.jsonl``, sorted by step."""
-        return sorted(self.train_dialogues.glob("step_*.jsonl"))
+        """Every trained step's ``train/dialogues/step_*.jsonl``, sorted by step; a
+        dead simulator's ``step_*.failed.jsonl`` (never trained, and redone under the
+        same step number on resume) is left out."""
+        return sorted(p for p in self.train_dialogues.glob("step_*.jsonl") if not p.name.endswith(".failed.jsonl"))
 
     @property
     def checkpoints(self) -> Path:

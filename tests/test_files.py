@@ -27,5 +27,6 @@ def test_run_folder_names_every_path(tmp_path):
         atomic_write_json(run.eval_dir(label) / "summary.json", {"label": label})
     write_jsonl(run.train / "dialogues" / "step_000002.jsonl", [])
     write_jsonl(run.train / "dialogues" / "step_000001.jsonl", [])
+    write_jsonl(run.step_dialogues_file(2, failed=True), [])  # a dead simulator's step, redone
     assert [p.parent.name for p in run.summaries()] == ["baseline", "trained"]
     assert [p.name for p in run.step_dialogues()] == ["step_000001.jsonl", "step_000002.jsonl"]
