@@ -73,3 +73,26 @@ def test_headline_shows_intervals_from_ten_scenarios_on(tmp_path):
     assert f"[{pc.difference.ci_low:+.1f}, {pc.difference.ci_high:+.1f}]" in text
     assert "`judge-7b` through `openai` at http://h/v1, moderate difficulty" in text
     assert "Protocol: `sage`" in text and "SAGE's 100 test profiles" in text
+
+
+@pytest.mark.parametrize("simulator_model, expected", [
+    ("embedded:qwen2.5-coder-1.5b-instruct-q4km", "The judge is the same model and appraisal as the training reward"),
+    ("other.gguf", None),
+])
+def test_headline_says_when_the_judge_is_the_training_reward(tmp_path, simulator_model, expected):
+    from rlver_lib.config import build_config, dump_config
+    from rlver_lib.evaluation.benchmark import write_summary
+    from rlver_lib.evaluation.stage import headline_markdown
+
+    judge = {"backend": "llamacpp", "model": "embedded:qwen2.5-coder-1.5b-instruct-q4km", "base_url": None,
+             "difficulty": "moderate", "appraisal": "expected", "temperature": 0.7, "seed": 0}
+    cfg = build_config({"simulator": {"backend": "llamacpp", "model": simulator_model, "appraisal": "expected"}})
+    (tmp_path / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+    records = [scored("s0", 0, 50)]
+    write_summary(summarize(records, n_boot=10), tmp_path / "eval" / "baseline", "baseline", {"judge": judge})
+    text = headline_markdown(tmp_path)
+    assert "Judge: `embedded:qwen2.5-coder-1.5b-instruct-q4km`" in text
+    if expected:
+        assert expected in text and "not that the replies became more empathetic" in text
+    else:
+        assert "training reward" not in text

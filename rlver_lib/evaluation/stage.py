@@ -15,6 +15,7 @@ import pandas as pd
 
 from rlver_lib import character
 from rlver_lib.backends import close_backend
+from rlver_lib.config import load_run_config
 from rlver_lib.evaluation.benchmark import BenchmarkResult, BenchmarkSummary, run_benchmark
 from rlver_lib.evaluation.capability import run_lm_eval, run_retention
 from rlver_lib.evaluation.judge import build_judge, judge_description, judge_name, judge_seed
@@ -30,6 +31,21 @@ def _grey(text: str) -> str:
     return f'<span style="color:#888">{text}</span>'
 
 
+def _judge_is_the_reward(folder: RunFolder, judge: dict[str, Any]) -> str:
+    """``"the same model and appraisal"`` (or ``"the same model"``) when the run trained
+    against a simulated user served by the judge's backend, model and URL (read from the
+    run's ``config.yaml``); ``""`` otherwise or when there is no readable config."""
+    try:
+        cfg = load_run_config(folder.config)
+    except (OSError, ValueError):
+        return ""
+    sim = cfg.simulator
+    if "train" not in cfg.stages or sim.backend == "rule" or (sim.backend, sim.model, sim.base_url) != (
+            judge.get("backend"), judge.get("model"), judge.get("base_url")):
+        return ""
+    return "the same model and appraisal" if sim.appraisal == judge.get("appraisal") else "the same model"
+
+
 def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
     """The report's opening block: the answer first.
 
@@ -38,7 +54,8 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
     (named exact or Monte Carlo, as computed), the pairs used and dropped, the
     difference with errored pairs at both bounds, the baseline and trained scores
     weighted like the difference (they subtract to it), each benchmark's score with
-    its error bounds (errored dialogues at 0 and at 100), the judge, the protocol and
+    its error bounds (errored dialogues at 0 and at 100), the judge (and, when it is
+    the training reward's model, what a gain then shows), the protocol and
     ``wall_s`` (the run's wall time, seconds).  An interval or p-value over fewer
     than :data:`rlver_lib.stats.MIN_N` scenarios is greyed with the reason.
     Returns ``""`` when the run has no benchmark summary with figures.
@@ -105,6 +122,10 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
     protocol = first.get("protocol") or {}
     if judge:
         lines.append(f"- Judge: {judge_name(judge)}.")
+        same = _judge_is_the_reward(folder, judge)
+        if same:
+            lines.append(f"- The judge is {same} as the training reward: a gain shows that the learner optimises "
+                         "its reward, not that the replies became more empathetic to people.")
     if protocol:
         rule = ("every policy reply appraised" if protocol.get("name") == "full"
                 else f"{protocol.get('max_policy_turns')} policy replies, the first "
