@@ -340,7 +340,7 @@ class EvaluationConfig(_Strict):
         return self
 
 
-class StrategyJudgeConfig(EndpointConfig):
+class AnnotatorConfig(EndpointConfig):
     """The strategy annotator (``analysis.judge``): the model that labels policy replies
     with the strategy taxonomy (``rlver_lib.analysis.strategies.TAXONOMY``), an
     :class:`EndpointConfig` (no simulated user's settings), greedy by default. ``rule``
@@ -354,7 +354,7 @@ class StrategyJudgeConfig(EndpointConfig):
 class AnalysisConfig(_Strict):
     """The analysis stage (notebook 06; RLVER §5's strategy and reward-hacking questions).
 
-    ``judge``: the strategy annotator (:class:`StrategyJudgeConfig`); ``None`` uses the
+    ``judge``: the strategy annotator (:class:`AnnotatorConfig`); ``None`` uses the
     backend and model of ``evaluation.judge``, greedy.  ``judge_sample``: replies
     labelled per source (baseline, each training step, trained).
     ``self_agreement_sample``: replies labelled again under ``judge_seeds`` seeds.
@@ -366,7 +366,7 @@ class AnalysisConfig(_Strict):
     """
 
     strategy_judge: bool = True
-    judge: StrategyJudgeConfig | None = None
+    judge: AnnotatorConfig | None = None
     judge_sample: int = Field(32, ge=1)
     judge_seeds: int = Field(2, ge=2)
     self_agreement_sample: int = Field(8, ge=0)
@@ -529,7 +529,7 @@ UNUSED_KEYS: dict[str, str] = {
                                       "(the benchmark)",
     **{f"analysis.judge.{name}": "the strategy annotator never used it: it is a simulated user's setting, "
                                  "of simulator and evaluation.judge"
-       for name in UserModelConfig.model_fields if name not in StrategyJudgeConfig.model_fields},
+       for name in UserModelConfig.model_fields if name not in AnnotatorConfig.model_fields},
 }
 """Keys that earlier versions accepted, and wrote into every run's ``config.yaml``, but
 never used (the judge and the strategy annotator were whole simulator configs then):
@@ -562,7 +562,7 @@ def _section_model(parts: list[str]) -> type[BaseModel] | None:
 def _model_in(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    for arg in get_args(annotation):  # ``StrategyJudgeConfig | None``
+    for arg in get_args(annotation):  # ``AnnotatorConfig | None``
         found = _model_in(arg)
         if found:
             return found

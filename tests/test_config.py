@@ -13,7 +13,7 @@ from rlver_lib.config import (
     PAPER_AXES,
     ConfigError,
     JudgeConfig,
-    StrategyJudgeConfig,
+    AnnotatorConfig,
     build_config,
     dump_config,
     get_dotted,
@@ -87,7 +87,7 @@ def test_a_judge_section_that_sets_a_field_it_never_used_is_refused(tmp_path):
         with pytest.raises(ConfigError, match=rf"analysis\.judge\.{key}: .*the strategy annotator never used it"):
             build_config({"analysis": {"judge": {key: None}}})
     assert "initial_emotion" not in JudgeConfig.model_fields
-    assert not {"difficulty", "initial_emotion", "appraisal"} & set(StrategyJudgeConfig.model_fields)
+    assert not {"difficulty", "initial_emotion", "appraisal"} & set(AnnotatorConfig.model_fields)
 
 
 def _old_run_config(cfg) -> dict:
@@ -124,12 +124,13 @@ def test_an_old_runs_config_yaml_with_unused_keys_is_still_read(tmp_path):
 
 # the quickstart judge as build_judge built it before the endpoint config: evaluation.judge
 # dumped, its seed popped, rebuilt as a SimulatorConfig at the benchmark's start emotion
+# (with the quickstart's later expected-value appraisal settings)
 QUICKSTART_JUDGE_BEFORE = {
     "backend": "llamacpp", "model": "embedded:qwen2.5-coder-1.5b-instruct-q4km", "base_url": None,
     "api_key_env": "OPENAI_API_KEY", "difficulty": "moderate", "initial_emotion": 40, "temperature": 0.7,
     "max_new_tokens": 192, "max_retries": 1, "timeout_s": 120.0, "concurrency": 8, "n_threads": None, "n_ctx": 2048,
-    "appraisal_chars": 200, "message_chars": 400, "appraisal": "first_person",
-    "expected_questions": ["on_situation", "understood"], "expected_center": 0.83, "expected_scale": 240.0,
+    "appraisal_chars": 200, "message_chars": 400, "appraisal": "expected",
+    "expected_questions": ["on_situation", "understood"], "expected_center": 0.67, "expected_scale": 80.0,
     "expected_answer_order": "yes_no", "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
     "presence_penalty": 0.0, "frequency_penalty": 0.0,
 }
@@ -140,7 +141,7 @@ def test_the_quickstart_judge_is_built_from_its_config_as_before(monkeypatch):
     from rlver_lib.evaluation.judge import build_judge, judge_description
     from rlver_lib.simulator import UserSimulator
 
-    backend = object()
+    backend = SimpleNamespace(next_token_logprobs=None)  # the expected-value appraisal needs one
     monkeypatch.setattr(models, "make_simulator_backend", lambda sim_cfg, seed: backend)
     cfg = load_config(ROOT / "params" / "quickstart.yaml")
     judge = build_judge(cfg.evaluation, cfg.seed)

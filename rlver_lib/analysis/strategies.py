@@ -19,7 +19,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from rlver_lib.backends import ChatBackend, Generation, closing_backend, structured_batch
-from rlver_lib.config import SamplingParams, StrategyJudgeConfig
+from rlver_lib.config import AnnotatorConfig, SamplingParams
 from rlver_lib.files import iter_jsonl
 from rlver_lib.models import make_simulator_backend
 from rlver_lib.plots import level_colours, new_figure
@@ -278,15 +278,15 @@ class RuleAnnotator:
 
 def annotator_config(cfg: Any) -> Any:
     """The strategy annotator's config: ``cfg.analysis.judge``, or when that is ``None`` a
-    :class:`rlver_lib.config.StrategyJudgeConfig` with the backend and model settings
+    :class:`rlver_lib.config.AnnotatorConfig` with the backend and model settings
     of ``cfg.evaluation.judge`` (the benchmark judge's model) and the annotator defaults (greedy)."""
     if cfg.analysis.judge is not None:
         return cfg.analysis.judge
     source = getattr(cfg.evaluation, "judge", None) or cfg.simulator
     keep = {"backend", "model", "base_url", "api_key_env", "timeout_s", "concurrency", "n_threads", "n_ctx",
             "max_retries"}
-    data = {k: v for k, v in source.model_dump().items() if k in keep and k in StrategyJudgeConfig.model_fields}
-    return StrategyJudgeConfig(**data)
+    data = {k: v for k, v in source.model_dump().items() if k in keep and k in AnnotatorConfig.model_fields}
+    return AnnotatorConfig(**data)
 
 
 @contextmanager
