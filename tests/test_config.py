@@ -11,9 +11,9 @@ import yaml
 
 from rlver_lib.config import (
     PAPER_AXES,
+    AnnotatorConfig,
     ConfigError,
     JudgeConfig,
-    AnnotatorConfig,
     build_config,
     dump_config,
     get_dotted,
