@@ -60,12 +60,19 @@ def _command(params_file: Path) -> list[str]:
     return [sys.executable, "-m", "rlver_lib.cli", "run", str(params_file), "--no-progress"]
 
 
+def _default_sigint() -> None:
+    # a test run started in the background of a non-interactive shell inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler: give the run
+    # the disposition a terminal's Ctrl-C meets
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_holding(params_file: Path, run: Path, env: dict, log: Path) -> tuple[subprocess.Popen, int]:
     """A run whose stage holds, its output in ``log`` (a file, not a pipe: an orphaned
     grandchild would hold a pipe open); returns it and its stand-in server's pid."""
     with log.open("w") as out:
         proc = subprocess.Popen(_command(params_file), env={**env, "STAND_IN_HOLD": "1"},
-                                stdout=out, stderr=subprocess.STDOUT, text=True)
+                                stdout=out, stderr=subprocess.STDOUT, text=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 180
     while not (run / "server.pid").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
