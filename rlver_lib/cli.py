@@ -19,6 +19,7 @@ environment, fixes ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` before any model li
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import sys
@@ -202,6 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"rlver: {err}", file=sys.stderr)
             return 1
         except RunInterrupted as err:
+            # the stage's abandoned kernel client may log "Task exception was never
+            # retrieved ... DeadKernelError" at exit, after the line below: not news
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
             command = shlex.join(["rlver", *(sys.argv[1:] if argv is None else argv)])
             print(f"rlver: {err}; to resume, run the same command again (finished stages are skipped, "
                   f"training resumes from its last checkpoint): {command}", file=sys.stderr)
