@@ -72,6 +72,17 @@ class ChatBackend(Protocol):
         ...
 
 
+@runtime_checkable
+class PolicyBackend(ChatBackend, Protocol):
+    """A :class:`ChatBackend` that generates the rollouts of a policy being trained:
+    :class:`TransformersBackend` (the live model) or
+    :class:`~rlver_lib.vllm_backend.VLLMBackend` (an engine with its own copy)."""
+
+    def sync_policy(self, model: Any, step: int) -> Any:
+        """Generate with ``model``'s weights (the trainer's policy after ``step`` updates) from now on."""
+        ...
+
+
 class BackendError(RuntimeError):
     """A backend call that failed after its bounded retries.
 

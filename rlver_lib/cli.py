@@ -27,8 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlver_lib.config import ConfigError, RunConfig, load_config
+from rlver_lib.files import process_rank
 from rlver_lib.pipeline.ablate import load_grid, run_ablation
-from rlver_lib.pipeline.run import PipelineError, RunInterrupted, Terminated, run_pipeline, sigterm_as_interrupt
+from rlver_lib.pipeline.run import (PipelineError, RunInterrupted, Terminated, run_folder_lock, run_pipeline,
+                                   sigterm_as_interrupt)
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -66,7 +68,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     # imported after configure_threads: these commands' modules may load torch
     from rlver_lib.evaluation.stage import eval_command
 
-    return eval_command(cfg)
+    if process_rank() > 0:  # only rank 0 writes eval/<label>/ (evaluate)
+        return eval_command(cfg)
+    with run_folder_lock(cfg.run_dir.resolve()):  # not beside an `rlver run` writing the same folder
+        return eval_command(cfg)
 
 
 def _cmd_ablate(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 EMBEDDED_POLICY = "embedded:smollm2-135m-instruct"
 EMBEDDED_SIMULATOR = "embedded:qwen2.5-coder-1.5b-instruct-q4km"
@@ -427,8 +427,8 @@ class RunConfig(_Strict):
     run_name: str = "run"
     seed: int = 0
     output_root: str = "outputs"
-    stages: list[Literal["scenarios", "baseline", "train", "evaluate", "analysis"]] = Field(
-        default_factory=lambda: ["scenarios", "baseline", "train", "evaluate", "analysis"]
+    stages: list[Literal["scenarios", "baseline", "train", "trained", "analysis"]] = Field(
+        default_factory=lambda: ["scenarios", "baseline", "train", "trained", "analysis"]
     )
     threads: int | None = Field(None, ge=1)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
@@ -445,6 +445,14 @@ class RunConfig(_Strict):
     def run_dir(self) -> Path:
         """``<output_root>/<run_name>``."""
         return Path(self.output_root) / self.run_name
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _renamed_stages(cls, stages: Any) -> Any:
+        for name in stages if isinstance(stages, list) else []:
+            if name in RENAMED_STAGES:
+                raise ValueError(f"stage '{name}' is now called '{RENAMED_STAGES[name]}'")
+        return stages
 
     @model_validator(mode="after")
     def _trainable(self) -> "RunConfig":
@@ -518,6 +526,12 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, raw = item.split("=", 1)
     return key.strip(), yaml.safe_load(raw) if raw.strip() else None
 
+
+RENAMED_STAGES = {"evaluate": "trained"}
+"""Stages renamed since: ``{old: new}``. The benchmark of the trained policy is the
+stage ``trained``, as its label and its notebook ``04_evaluation_trained.ipynb``. A
+params file naming an old one is refused; an old run's ``config.yaml`` and
+``manifest.json`` are read with the new name (:func:`upgrade_run_config`)."""
 
 REMOVED_KEYS = {"evaluation.n_scenarios": "scenarios.limit_test"}
 """Keys a params file may still carry from an older version: ``{old: the key that replaced it}``."""
@@ -697,10 +711,13 @@ def load_config(
     return build_config(load_params(path), overrides, source=str(path))
 
 
-def drop_unused_keys(data: dict[str, Any]) -> dict[str, Any]:
+def upgrade_run_config(data: dict[str, Any]) -> dict[str, Any]:
     """A copy of a run's config mapping without the :data:`UNUSED_KEYS` (``analysis.judge``
-    may be ``None``); a mapping without them comes back equal."""
+    may be ``None``) and with the :data:`RENAMED_STAGES` renamed; a current mapping comes
+    back equal."""
     data = json.loads(json.dumps(data))
+    if isinstance(data.get("stages"), list):
+        data["stages"] = [RENAMED_STAGES.get(name, name) for name in data["stages"]]
     for key in UNUSED_KEYS:
         *section, name = key.split(".")
         node: Any = data
@@ -718,9 +735,10 @@ def load_run_config(
     file but without the :data:`UNUSED_KEYS`: versions before the judge and the strategy
     judge got configs of their own wrote ``evaluation.judge.initial_emotion`` (and, with
     an ``analysis.judge``, its ``difficulty``, ``initial_emotion`` and appraisal settings)
-    into every run's config; they never had an effect, so the run reads as it ran.
+    into every run's config; they never had an effect, so the run reads as it ran. Old
+    stage names are read as their new ones (:data:`RENAMED_STAGES`).
     Raises :class:`ConfigError`."""
-    return build_config(drop_unused_keys(load_params(path)), overrides, source=str(path))
+    return build_config(upgrade_run_config(load_params(path)), overrides, source=str(path))
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -40,7 +40,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from rlver_lib import algorithms
-from rlver_lib.backends import ChatBackend
+from rlver_lib.backends import PolicyBackend
 from rlver_lib.checkpoint import Checkpoints
 from rlver_lib.config import ConfigError, RunConfig, TrainingConfig, dump_config, training_problems
 from rlver_lib.files import CheckpointFolder, RunFolder, atomic_directory, atomic_write_text, iter_jsonl, write_jsonl
@@ -463,13 +463,6 @@ def rest_rollout_backend(backend: Any) -> None:
         sleep()
 
 
-def hand_over_policy(backend: Any, model: nn.Module, step: int) -> None:
-    """Give the rollout ``backend`` the policy of ``step`` (its ``sync_policy``, where it has one)."""
-    sync = getattr(backend, "sync_policy", None)
-    if sync is not None:
-        sync(model, step)
-
-
 def _collate(samples: Sequence[_Sample], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Right-padded batch: ``input_ids``/``attention_mask`` ``[B, L]``, the rest ``[B, L-1]``
     (a field a sample lacks is 0; ``sampling_logprobs`` is NaN where unknown)."""
@@ -705,8 +698,9 @@ class Trainer:
     ``cfg``: the run configuration (``training`` selects the algorithm and settings);
     ``train_scenarios``: the scenarios to sample from; ``simulator``: anything with
     ``opening_lines``/``step`` (default: built from ``cfg.simulator``);
-    ``policy_backend``: the generation backend (default:
-    :func:`rlver_lib.models.make_policy_backend` over the live model).
+    ``policy_backend``: the generation backend, a
+    :class:`~rlver_lib.backends.PolicyBackend` that is handed the policy after every
+    update (default: :func:`rlver_lib.models.make_policy_backend` over the live model).
 
     ``model`` is the :class:`PolicyWithValueHead` (its ``policy`` the live
     ``peft.PeftModel``); ``prepared`` is what ``accelerator.prepare`` made of it (a DDP
@@ -718,11 +712,12 @@ class Trainer:
 
     Raises :class:`~rlver_lib.config.ConfigError` for settings the learner refuses
     (:func:`~rlver_lib.config.training_problems`) and :class:`TrainerError` for a bad
-    launch (:func:`check_launch`), too few scenarios or a broken checkpoint.
+    launch (:func:`check_launch`), a ``policy_backend`` without ``sync_policy``, too few
+    scenarios or a broken checkpoint.
     """
 
     def __init__(self, cfg: RunConfig, train_scenarios: Sequence[Any], *,
-                 simulator: Any | None = None, policy_backend: ChatBackend | None = None):
+                 simulator: Any | None = None, policy_backend: PolicyBackend | None = None):
         from accelerate import Accelerator
         from transformers import set_seed
 
@@ -731,6 +726,9 @@ class Trainer:
         problems = training_problems(cfg)
         if problems:
             raise ConfigError("; ".join(problems))
+        if policy_backend is not None and not isinstance(policy_backend, PolicyBackend):
+            raise TrainerError(f"policy_backend {type(policy_backend).__name__} has no sync_policy(model, step): "
+                               "the trainer could not hand it the updated policy (rlver_lib.backends.PolicyBackend)")
         training = cfg.training
         sample_scenario_indices(len(train_scenarios), 0, training.scenarios_per_step, cfg.seed)  # fail early
         self.cfg, self.training, self.scenarios = cfg, training, list(train_scenarios)
@@ -849,7 +847,7 @@ class Trainer:
         learning_rate = self.optimizer.param_groups[0]["lr"]  # the rate this step's update used
         self.scheduler.step()
         update_s = time.perf_counter() - update_start
-        hand_over_policy(self.policy_backend, self.model.policy, self.step)
+        self.policy_backend.sync_policy(self.model.policy, self.step)
 
         ids = {t.dialogue_id for t in trained}
         records = self.collect.gather([dict(t.to_record(), train_reward=rewards[t.dialogue_id],
@@ -974,7 +972,7 @@ class Trainer:
         self.checkpoints.load(path)
         self.step, self.data_position = int(state["step"]), int(state["data_position"])
         # a fresh rollout engine must sample from the restored adapter
-        hand_over_policy(self.policy_backend, self.model.policy, self.step)
+        self.policy_backend.sync_policy(self.model.policy, self.step)
         metrics = self.folder.metrics
         if metrics.is_file():
             self.history = [row for _, row in iter_jsonl(metrics) if row["step"] <= self.step]

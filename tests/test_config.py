@@ -90,11 +90,17 @@ def test_a_judge_section_that_sets_a_field_it_never_used_is_refused(tmp_path):
     assert not {"difficulty", "initial_emotion", "appraisal"} & set(AnnotatorConfig.model_fields)
 
 
+def test_a_params_file_naming_a_renamed_stage_is_told_the_new_name():
+    with pytest.raises(ConfigError, match=r"stages: .*stage 'evaluate' is now called 'trained'"):
+        build_config({"stages": ["scenarios", "baseline", "train", "evaluate"]})
+
+
 def _old_run_config(cfg) -> dict:
     """``cfg`` as an earlier version saved it: the judge and the strategy annotator were whole
     simulator configs, so their dumps carried the start emotion and the user's settings."""
     data = cfg.model_dump(mode="json")
     data["evaluation"]["judge"]["initial_emotion"] = 50
+    data["stages"] = [{"trained": "evaluate"}.get(name, name) for name in data["stages"]]
     data["analysis"]["judge"].update(difficulty="moderate", initial_emotion=50, appraisal="first_person",
                                      appraisal_chars=200, message_chars=400, expected_center=0.83)
     return data

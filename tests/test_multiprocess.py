@@ -270,7 +270,7 @@ def test_pipeline_on_two_ranks_benchmarks_once_and_trains_on_both(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     config = {"run_name": "pipe", "output_root": str(tmp_path), "simulator": {"backend": "rule"},
-              "stages": ["baseline", "train", "evaluate", "analysis"]}
+              "stages": ["baseline", "train", "trained", "analysis"]}
     try:
         done, wall = _launch(tmp_path, [{"pipeline": config}], env_extra={
             "RLVER_NOTEBOOKS": str(_notebooks(tmp_path / "templates")),

@@ -75,7 +75,7 @@ def test_quickstart_stays_within_its_simulator_budget():
     train_dialogues = cfg.training.steps * cfg.training.scenarios_per_step * cfg.training.group_size
     assert 2 * test_dialogues + train_dialogues <= 28
     assert cfg.training.steps >= 6 and test_dialogues >= 8
-    assert cfg.stages == ["scenarios", "baseline", "train", "evaluate", "analysis"]
+    assert cfg.stages == ["scenarios", "baseline", "train", "trained", "analysis"]
 
 
 # ------------------------------------------------------------ composed paper recipes
@@ -85,7 +85,7 @@ def test_quickstart_stays_within_its_simulator_budget():
 # keys rollout.batch_size and evaluation.math_* removed). Every key a recipe sets is here, nothing more.
 PAPER_SHARED = {
     "seed": 0, "output_root": "outputs",
-    "stages": ["scenarios", "baseline", "train", "evaluate", "analysis"],
+    "stages": ["scenarios", "baseline", "train", "trained", "analysis"],
     "policy.model": "Qwen/Qwen2.5-7B-Instruct", "policy.backend": "vllm", "policy.dtype": "bfloat16",
     "policy.temperature": 1.0, "policy.top_p": 1.0, "policy.max_context_tokens": 8192,
     "policy.format_violation": "keep_reply", "policy.gpu_memory_utilization": 0.35,
@@ -253,10 +253,10 @@ def test_bad_base_is_a_config_error_naming_the_file(tmp_path):
 
 def test_merge_params_leaves_its_inputs_alone():
     base = {"policy": {"lora": {"r": 8}}, "stages": ["train"]}
-    overlay = {"policy": {"lora": {"alpha": 4}}, "stages": ["evaluate"]}
-    assert merge_params(base, overlay) == {"policy": {"lora": {"r": 8, "alpha": 4}}, "stages": ["evaluate"]}
+    overlay = {"policy": {"lora": {"alpha": 4}}, "stages": ["trained"]}
+    assert merge_params(base, overlay) == {"policy": {"lora": {"r": 8, "alpha": 4}}, "stages": ["trained"]}
     assert base == {"policy": {"lora": {"r": 8}}, "stages": ["train"]}
-    assert overlay == {"policy": {"lora": {"alpha": 4}}, "stages": ["evaluate"]}
+    assert overlay == {"policy": {"lora": {"alpha": 4}}, "stages": ["trained"]}
 
 
 def test_ablation_grid_on_a_composed_paper_recipe(tmp_path):

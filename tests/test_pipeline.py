@@ -191,17 +191,29 @@ def test_stage_without_its_output_is_not_complete(tmp_path):
     assert stage_complete(run, manifest, stage)
 
 
+def test_an_older_runs_evaluate_stage_counts_as_its_trained_stage(tmp_path):
+    cfg = _cfg(tmp_path, stages=["trained"])
+    run = cfg.run_dir
+    (trained,) = pipeline_stages(cfg, run)
+    (run / "eval" / "trained").mkdir(parents=True)
+    (run / "eval" / "trained" / "summary.json").write_text("{}")
+    (run / "manifest.json").write_text(json.dumps({"stages": {"evaluate": {"status": "complete", "wall_s": 9.0}}}))
+    manifest = read_manifest(run)
+    assert manifest["stages"] == {"trained": {"status": "complete", "wall_s": 9.0}}
+    assert stage_complete(run, manifest, trained)  # resuming it does not run the benchmark again
+
+
 def test_pipeline_stage_order_and_adapters(tmp_path):
-    cfg = build_config({"stages": ["evaluate", "train", "scenarios", "baseline", "analysis"]})
+    cfg = build_config({"stages": ["trained", "train", "scenarios", "baseline", "analysis"]})
     run = tmp_path / "run"
     stages = pipeline_stages(cfg, run)
-    assert [s.name for s in stages] == ["scenarios", "baseline", "train", "evaluate", "analysis"]
+    assert [s.name for s in stages] == ["scenarios", "baseline", "train", "trained", "analysis"]
     by_name = {s.name: s for s in stages}
     assert by_name["baseline"].params == {"label": "baseline", "adapter": None}
-    assert by_name["evaluate"].params == {"label": "trained", "adapter": str(run / "train" / "adapter")}
-    no_train = build_config({"stages": ["evaluate"], "policy": {"adapter": "some/adapter"}})
-    (evaluate,) = pipeline_stages(no_train, run)
-    assert evaluate.params["adapter"] == "some/adapter"
+    assert by_name["trained"].params == {"label": "trained", "adapter": str(run / "train" / "adapter")}
+    no_train = build_config({"stages": ["trained"], "policy": {"adapter": "some/adapter"}})
+    (trained,) = pipeline_stages(no_train, run)
+    assert trained.params["adapter"] == "some/adapter"
 
 
 def test_changed_config_in_existing_run_folder_is_refused(tmp_path):
@@ -295,7 +307,7 @@ def test_non_main_rank_waits_for_rank_0_then_runs_only_training(tmp_path, notebo
     assert run_pipeline(cfg, progress=False) == cfg.run_dir.resolve() / "report.html"
     assert not cfg.run_dir.exists()
 
-    cfg = _cfg(tmp_path, stages=["scenarios", "baseline", "train", "evaluate", "analysis"])
+    cfg = _cfg(tmp_path, stages=["scenarios", "baseline", "train", "trained", "analysis"])
     run = cfg.run_dir.resolve()
     polls = []
 

@@ -118,7 +118,7 @@ def test_an_interrupted_run_stops_its_stage_marks_the_manifest_and_resumes(run_s
     assert manifest["status"] == "complete" and manifest["stages"]["scenarios"]["status"] == "complete"
 
 
-def test_a_second_run_on_the_same_folder_fails_at_once_naming_the_holder(run_setup):
+def test_a_second_run_or_eval_on_the_same_folder_fails_at_once_naming_the_holder(run_setup):
     params_file, run, env = run_setup
     first, server = _start_holding(params_file, run, env, run.parent.parent / "first.log")
     try:
@@ -127,6 +127,11 @@ def test_a_second_run_on_the_same_folder_fails_at_once_naming_the_holder(run_set
         assert second.returncode == 1
         assert f"rlver: {run} is being written by another rlver run (pid {first.pid})" in second.stderr
         assert time.monotonic() - start < 60  # at once: no waiting for the first run
+        # `rlver eval` writes eval/<label>/ of the same folder: refused the same way, before any model loads
+        evaluation = subprocess.run([*_command(params_file)[:3], "eval", str(params_file)], env=env,
+                                    capture_output=True, text=True, timeout=120)
+        assert evaluation.returncode == 1
+        assert f"rlver: {run} is being written by another rlver run (pid {first.pid})" in evaluation.stderr
         assert json.loads((run / "manifest.json").read_text())["status"] == "running"  # left alone
         assert len(json.loads((run / "manifest.json").read_text())["runs"]) == 1
     finally:

@@ -112,6 +112,16 @@ def test_every_process_training_alone_is_refused(monkeypatch):
         check_launch(FakeAccelerator(deepspeed_config={}, zero_stage=3))
 
 
+def test_a_policy_backend_that_cannot_take_the_updated_policy_is_refused(tmp_path):
+    class GeneratesOnly:  # a ChatBackend: generate, but no sync_policy
+        def generate(self, conversations, sampling, json_schema=None):
+            raise AssertionError("never called")
+
+    cfg = tiny_config(tmp_path, "no-sync")
+    with pytest.raises(TrainerError, match="GeneratesOnly has no sync_policy"):
+        Trainer(cfg, tiny_scenarios(4), simulator=RuleSimulator(starts_with_i), policy_backend=GeneratesOnly())
+
+
 def test_deepspeed_config_gets_accumulation_clipping_and_micro_batch():
     training = build_config({"training": {"grad_accum_steps": 4, "max_grad_norm": 0.5,
                                           "mini_batch_size": 8}}).training
@@ -157,7 +167,7 @@ def test_learning_rate_of_each_step(schedule, warmup, expected):
 
 def test_trainer_refuses_settings_that_bias_the_ratio(tmp_path):
     for override, reason in ((("policy", "lora", "dropout"), 0.1), (("policy", "top_p"), 0.9)):
-        data = {"stages": ["evaluate"], "output_root": str(tmp_path), "policy": {"lora": {}}}
+        data = {"stages": ["trained"], "output_root": str(tmp_path), "policy": {"lora": {}}}
         node = data
         for key in override[:-1]:
             node = node.setdefault(key, {})

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import psutil
 
-from rlver_lib.config import RunConfig
+from rlver_lib.config import RENAMED_STAGES, RunConfig
 from rlver_lib.files import PROJECT_ROOT, RunFolder
 
 _VERSIONED_PACKAGES = (
@@ -61,11 +61,15 @@ def git_commit(root: Path = PROJECT_ROOT) -> dict[str, Any]:
 
 
 def read_manifest(run_dir: str | Path) -> dict[str, Any]:
-    """The run's ``manifest.json`` as a dict (empty when the run has not started)."""
+    """The run's ``manifest.json`` as a dict (empty when the run has not started); an
+    older run's stages under their current names (:data:`rlver_lib.config.RENAMED_STAGES`)."""
     path = RunFolder(run_dir).manifest
     if not path.exists():
         return {}
-    return json.loads(path.read_text(encoding="utf-8"))
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    stages = manifest.get("stages", {})
+    manifest["stages"] = {RENAMED_STAGES.get(name, name): record for name, record in stages.items()}
+    return manifest
 
 
 def new_manifest(cfg: RunConfig, params_file: str | None) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import yaml
 from tqdm import tqdm
 
-from rlver_lib.config import ConfigError, RunConfig, drop_unused_keys, dump_config
+from rlver_lib.config import ConfigError, RunConfig, dump_config, upgrade_run_config
 from rlver_lib.files import PROJECT_ROOT, RunFolder, atomic_write_json, atomic_write_text, process_rank
 from rlver_lib.pipeline.manifest import new_manifest, read_manifest, track_peak_memory, utc_now
 from rlver_lib.pipeline.report import execute_notebook, render_report, report_header
@@ -124,7 +124,7 @@ def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
     """The stages ``cfg.stages`` selects, in pipeline order.
 
     ``baseline`` evaluates the policy as configured (``policy.adapter`` if set);
-    ``evaluate`` evaluates the adapter trained in this run, or ``policy.adapter``
+    ``trained`` evaluates the adapter trained in this run, or ``policy.adapter``
     when the run has no ``train`` stage.
     """
     folder = RunFolder(run_dir)
@@ -141,7 +141,7 @@ def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
               {"label": "baseline", "adapter": cfg.policy.adapter}),
         Stage("train", "03_training.ipynb", "03_training.ipynb",
               marker(trained / "adapter_config.json")),
-        Stage("evaluate", "04_evaluation.ipynb", "04_evaluation_trained.ipynb",
+        Stage("trained", "04_evaluation.ipynb", "04_evaluation_trained.ipynb",
               marker(folder.eval_summary("trained")), {"label": "trained", "adapter": adapter}),
         Stage("analysis", "06_analysis.ipynb", "06_analysis.ipynb", None),
     ]
@@ -175,14 +175,15 @@ def prepare_run_dir(cfg: RunConfig, params_file: str | None = None) -> tuple[Pat
     A run folder already holding a different resolved config raises
     :class:`ConfigError` (resuming must not silently change the experiment); change
     ``run_name`` or delete the folder. A ``config.yaml`` that differs only in the keys
-    an older version wrote but never used (:data:`rlver_lib.config.UNUSED_KEYS`) or in
-    the order of its keys is the same experiment: it is rewritten and the run resumes.
+    an older version wrote but never used (:data:`rlver_lib.config.UNUSED_KEYS`), in the
+    old names of stages (:data:`~rlver_lib.config.RENAMED_STAGES`) or in the order of its
+    keys is the same experiment: it is rewritten and the run resumes.
     """
     run_dir = cfg.run_dir.resolve()
     config_path = RunFolder(run_dir).config
     resolved = dump_config(cfg)
     if config_path.exists() and config_path.read_text(encoding="utf-8") != resolved:
-        old = drop_unused_keys(yaml.safe_load(config_path.read_text(encoding="utf-8")) or {})
+        old = upgrade_run_config(yaml.safe_load(config_path.read_text(encoding="utf-8")) or {})
         new = cfg.model_dump(mode="json")
         changed = sorted(diff_keys(old, new))
         if changed:
