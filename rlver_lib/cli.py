@@ -29,8 +29,14 @@ from pathlib import Path
 from rlver_lib.config import ConfigError, RunConfig, load_config
 from rlver_lib.files import process_rank
 from rlver_lib.pipeline.ablate import load_grid, run_ablation
-from rlver_lib.pipeline.run import (PipelineError, RunInterrupted, Terminated, run_folder_lock, run_pipeline,
-                                   sigterm_as_interrupt)
+from rlver_lib.pipeline.run import (
+    PipelineError,
+    RunInterrupted,
+    Terminated,
+    run_folder_lock,
+    run_pipeline,
+    sigterm_as_interrupt,
+)
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
