@@ -586,6 +586,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for a server's ``subprocess.Popen``: on Linux the kernel sends the
+    server SIGKILL when the thread that started it ends (``prctl(PR_SET_PDEATHSIG)``), so
+    a server outlives neither a clean exit that skipped :meth:`close` nor a SIGKILLed
+    parent (a Jupyter kernel is killed 5 s after a shutdown or restart request, before
+    a slow ``atexit`` clean-up ends). ``None`` elsewhere and off the main thread, where
+    a worker thread's end would take the server with it."""
+    import ctypes
+    import signal
+    import sys
+    import threading
+
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 class LlamaServerBackend(Closing):
     """A GGUF model served by llama.cpp's ``llama-server``, started and stopped here.
 
@@ -637,7 +657,7 @@ class LlamaServerBackend(Closing):
             "--alias", alias or path.stem, *extra_args,
         ]
         self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
+                                        stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
         atexit.register(self.close)
         self.client = OpenAIBackend(f"http://127.0.0.1:{self.port}", alias or path.stem, timeout_s=timeout_s,
                                     max_retries=max_retries, concurrency=parallel,

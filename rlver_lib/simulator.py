@@ -39,10 +39,12 @@ from rlver_lib.backends import (
     BackendDied,
     BackendError,
     ChatBackend,
+    Closing,
     Conversation,
     StructuredResult,
     UnusableOutput,
     answer_probability,
+    close_backend,
     derive_seed,
     structured_batch,
 )
@@ -536,7 +538,7 @@ def _turn_index(requests: Sequence[SimulatorRequest]) -> int:
 # the LLM simulator
 
 
-class UserSimulator:
+class UserSimulator(Closing):
     """The LLM-played user of the RLVER paper (appraise, then reply) over any :class:`ChatBackend`.
 
     ``sim_cfg`` gives the appraisal mode (see the module notes), difficulty, the
@@ -548,6 +550,7 @@ class UserSimulator:
     When the backend's process dies (:class:`~rlver_lib.backends.BackendDied`), the
     turns in flight fail at once without retries and ``fatal_error`` holds the
     reason; callers (trainer, benchmark) check it after a rollout and stop.
+    ``with simulator:`` (or :meth:`close`) stops the backend's server.
     """
 
     #: top log-probs read per checklist question
@@ -561,6 +564,10 @@ class UserSimulator:
         if self.cfg.appraisal == "expected" and not hasattr(backend, "next_token_logprobs"):
             raise TypeError(f"simulator.appraisal 'expected' needs a backend with next_token_logprobs; "
                             f"{type(backend).__name__} has none (use appraisal 'sage')")
+
+    def close(self) -> None:
+        """Close the backend (stops a server it started; see :func:`~rlver_lib.backends.close_backend`)."""
+        close_backend(self.backend)
 
     def _structured(
         self,
@@ -840,7 +847,7 @@ def default_change_fn(policy_reply: str) -> int:
     return 10 if policy_reply.rstrip().endswith(("?", "？")) else -5
 
 
-class RuleSimulator:
+class RuleSimulator(Closing):
     """A deterministic stand-in with the simulator interface (tests, learning checks).
 
     ``change_fn(policy_reply) -> int`` gives the raw change (clamped by the update
@@ -856,6 +863,9 @@ class RuleSimulator:
     ):
         self.change_fn = change_fn
         self.reply_fn = reply_fn
+
+    def close(self) -> None:
+        """Nothing to stop (no model, no server)."""
 
     def opening_lines(self, scenarios: Sequence[Any]) -> list[str | None]:
         """The scenario's opening line, else a fixed greeting in its language."""

@@ -40,7 +40,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from rlver_lib import algorithms
-from rlver_lib.backends import PolicyBackend
+from rlver_lib.backends import Closing, PolicyBackend, close_backend
 from rlver_lib.checkpoint import Checkpoints
 from rlver_lib.config import ConfigError, RunConfig, TrainingConfig, dump_config, training_problems
 from rlver_lib.files import CheckpointFolder, RunFolder, atomic_directory, atomic_write_text, iter_jsonl, write_jsonl
@@ -692,7 +692,7 @@ def step_metrics(records: Sequence[dict[str, Any]], sums: dict[str, float], upda
 # ---------------------------------------------------------------- the learner
 
 
-class Trainer:
+class Trainer(Closing):
     """LoRA PPO / GRPO learner for one run (see the module docstring for a step).
 
     ``cfg``: the run configuration (``training`` selects the algorithm and settings);
@@ -714,6 +714,9 @@ class Trainer:
     (:func:`~rlver_lib.config.training_problems`) and :class:`TrainerError` for a bad
     launch (:func:`check_launch`), a ``policy_backend`` without ``sync_policy``, too few
     scenarios or a broken checkpoint.
+
+    ``with Trainer(...) as trainer:`` (or :meth:`close`) stops the servers the trainer
+    started itself (the simulator's, a served policy's); those passed in stay open.
     """
 
     def __init__(self, cfg: RunConfig, train_scenarios: Sequence[Any], *,
@@ -754,17 +757,28 @@ class Trainer:
                                        training.keep_checkpoints)
         self.pad_id = self.tokenizer.pad_token_id
         self.policy_backend = policy_backend or make_policy_backend(cfg.policy, self.model.policy, self.tokenizer)
+        self._started = [] if policy_backend else [self.policy_backend]
         if simulator is None:
             from rlver_lib.models import build_simulator
 
             simulator = build_simulator(cfg.simulator, process_seed(cfg.seed, self.accelerator.process_index))
+            self._started.append(simulator)
         self.simulator = simulator
         self.step, self.data_position = 0, 0
         self.history: list[dict[str, Any]] = []
         self._writer = None
-        self._resume()
+        try:
+            self._resume()
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------ public
+
+    def close(self) -> None:
+        """Stop what this trainer started (the simulator's server, a served policy)."""
+        for held in self._started:
+            close_backend(held)
 
     def train(self, stop_after: int | None = None) -> list[dict[str, Any]]:
         """Run up to ``training.steps`` steps (resuming where the run folder left off).

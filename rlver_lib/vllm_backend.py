@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from rlver_lib.backends import BackendError, Closing, Conversation, Generation, free_port
+from rlver_lib.backends import BackendError, Closing, Conversation, Generation, die_with_parent, free_port
 from rlver_lib.config import SamplingParams
 from rlver_lib.files import atomic_directory
 
@@ -751,7 +751,8 @@ class VLLMServer:
             raise RuntimeError("this VLLMServer is already running")
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=die_with_parent())
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -5,9 +5,14 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -175,6 +180,39 @@ def test_llama_server_context_overflow_is_backend_error(llama_backend):
     with pytest.raises(BackendError, match="HTTP 400"):
         llama_backend.generate([long], SamplingParams(max_new_tokens=4))
     llama_backend.check_alive()  # a rejected request leaves the server up
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a reparented child may wait unreaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_server_dies_with_a_killed_parent(guarded):
+    """A SIGKILLed parent (a Jupyter kernel killed after its shutdown wait) skips every
+    clean-up; the guarded child goes with it, an unguarded one (the control) is orphaned."""
+    script = ("import subprocess, sys, time\n"
+              "from rlver_lib.backends import die_with_parent\n"
+              f"child = subprocess.Popen(['sleep', '60'], preexec_fn={'die_with_parent()' if guarded else 'None'})\n"
+              "print(child.pid, flush=True)\n"
+              "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        assert _alive(child)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _alive(child) is not guarded
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def test_openai_backend_against_real_server(openai_server):

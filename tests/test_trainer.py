@@ -122,6 +122,26 @@ def test_a_policy_backend_that_cannot_take_the_updated_policy_is_refused(tmp_pat
         Trainer(cfg, tiny_scenarios(4), simulator=RuleSimulator(starts_with_i), policy_backend=GeneratesOnly())
 
 
+def test_the_trainer_stops_the_simulator_it_started_and_leaves_one_it_was_given(tmp_path, monkeypatch):
+    class Recording(RuleSimulator):
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    import rlver_lib.models
+
+    built = Recording(starts_with_i)
+    monkeypatch.setattr(rlver_lib.models, "build_simulator", lambda sim_cfg, seed: built)
+    with Trainer(tiny_config(tmp_path, "started"), tiny_scenarios(4)) as trainer:
+        assert trainer.simulator is built and built.closed == 0
+    assert built.closed == 1
+    given = Recording(starts_with_i)
+    with Trainer(tiny_config(tmp_path, "given"), tiny_scenarios(4), simulator=given):
+        pass
+    assert given.closed == 0
+
+
 def test_deepspeed_config_gets_accumulation_clipping_and_micro_batch():
     training = build_config({"training": {"grad_accum_steps": 4, "max_grad_norm": 0.5,
                                           "mini_batch_size": 8}}).training
