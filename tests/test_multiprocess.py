@@ -223,8 +223,11 @@ rank = os.environ['RANK']
 (run / 'train').mkdir(parents=True, exist_ok=True)
 with open(run / 'train' / f'started_rank{rank}.json', 'x') as f:
     json.dump({'baseline_done': (run / 'eval' / 'baseline' / 'summary.json').exists(), 'at': time.time()}, f)
-if rank == '0':
-    time.sleep(1)
+if rank == '0':  # real training waits in its collectives for every rank; so does this stand-in
+    deadline = time.time() + 120
+    while not (run / 'train' / 'started_rank1.json').exists():
+        assert time.time() < deadline, 'rank 1 never started training'
+        time.sleep(0.2)
     (run / 'train' / 'adapter').mkdir(parents=True, exist_ok=True)
     with open(run / 'train' / 'adapter' / 'adapter_config.json', 'x') as f:
         f.write('{}')
