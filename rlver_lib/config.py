@@ -12,9 +12,9 @@ strategy annotator's; a simulated user adds its settings (:class:`UserModelConfi
 training simulator its start emotion, the benchmark's judge its seed.
 
 Errors: :func:`load_config` raises :class:`ConfigError` naming the file and the
-offending key (for example ``params/x.yaml: training.stepz: Extra inputs are not
-permitted``), or the override that caused it (``--set training.stepz=4: unknown key
-'stepz' in training (did you mean steps?); valid keys: ...``).
+offending key (for example ``params/x.yaml: training.stepz: unknown key 'stepz' in
+training (did you mean steps?); valid keys: ...``), or the override that caused it
+(``--set training.stepz=4: unknown key 'stepz' in training ...``).
 """
 
 from __future__ import annotations
@@ -613,15 +613,15 @@ def _override_of(loc: str, kind: str, overrides: dict[str, str]) -> str | None:
 
 def _format_error(source: str, err: ValidationError, overrides: dict[str, str] | None = None) -> str:
     """One line per error: ``<source>: <key>: <message>`` for the params data, or
-    ``--set <key>=<value>: ...`` for an override (its unknown key with the section's
-    valid keys and the closest of them)."""
+    ``--set <key>=<value>: ...`` for an override; an unknown key, in either, with the
+    closest valid keys and all of the section's (:func:`_unknown_key_hint`)."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        moved = _key_note(loc) if e["type"] == "extra_forbidden" else ""
         label = _override_of(loc, e["type"], overrides or {}) if e["loc"] else None
         if label is None:
-            lines.append(f"{source}: {loc}: {e['msg']}{moved}")
+            detail = _unknown_key_hint(loc) if e["type"] == "extra_forbidden" else e["msg"]
+            lines.append(f"{source}: {loc}: {detail}")
         elif e["type"] == "extra_forbidden":
             lines.append(f"{label}: {_unknown_key_hint(loc)}")
         else:

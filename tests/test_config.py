@@ -69,7 +69,11 @@ def test_an_unknown_key_of_the_params_file_keeps_naming_the_file(tmp_path):
     params.write_text("training:\n  stepz: 2\n")
     with pytest.raises(ConfigError) as info:
         load_config(params, ["training.steps=3"])  # a good override beside the file's bad key
-    assert str(info.value) == f"{params}: training.stepz: Extra inputs are not permitted"
+    assert str(info.value).startswith(f"{params}: training.stepz: unknown key 'stepz' in training "
+                                      "(did you mean steps?); valid keys: algorithm, ")
+    params.write_text("trainng:\n  steps: 2\n")  # a misspelled section
+    with pytest.raises(ConfigError, match=r": trainng: unknown key 'trainng' at the top level \(did you mean training"):
+        load_config(params)
 
 
 def test_a_judge_section_that_sets_a_field_it_never_used_is_refused(tmp_path):
@@ -77,8 +81,9 @@ def test_a_judge_section_that_sets_a_field_it_never_used_is_refused(tmp_path):
     params.write_text("evaluation:\n  judge:\n    initial_emotion: 30\n")
     with pytest.raises(ConfigError) as info:
         load_config(params)
-    assert str(info.value) == (f"{params}: evaluation.judge.initial_emotion: Extra inputs are not permitted (the "
-                               "judge never used it: the benchmark starts at evaluation.initial_emotion)")
+    assert str(info.value) == (f"{params}: evaluation.judge.initial_emotion: unknown key 'initial_emotion' in "
+                               "evaluation.judge (the judge never used it: the benchmark starts at "
+                               "evaluation.initial_emotion)")
     with pytest.raises(ConfigError, match=r"^--set evaluation\.judge\.initial_emotion=30: unknown key "
                                           r"'initial_emotion' in evaluation\.judge \(.*evaluation\.initial_emotion\)$"):
         build_config({}, ["evaluation.judge.initial_emotion=30"])

@@ -113,7 +113,7 @@ def test_pipeline_writes_manifest_report_and_resumes(tmp_path, notebooks):
     assert len(again["runs"]) == 2
 
 
-def test_progress_bar_counts_the_stages_a_resume_skips(tmp_path, monkeypatch):
+def test_progress_bar_counts_the_stages_a_resume_skips(tmp_path, monkeypatch, capsys):
     import rlver_lib.pipeline.run as run_module
 
     cfg = _cfg(tmp_path)
@@ -139,6 +139,7 @@ def test_progress_bar_counts_the_stages_a_resume_skips(tmp_path, monkeypatch):
     run_pipeline(cfg, progress=True)
     assert seen == [("analysis", 2, 3)]  # the two skipped stages already counted while analysis runs
     assert bars[0].n == 3
+    assert f"resuming {run}: skipping the finished stage(s) scenarios, baseline\n" in capsys.readouterr().err
 
 
 def test_failing_stage_stops_keeps_partial_output_and_resumes(tmp_path, notebooks, monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -242,6 +243,9 @@ def _run_stages(cfg: RunConfig, params_file: str | None, progress: bool) -> Path
     done = {stage.name for stage in stages if stage_complete(run_dir, manifest, stage)}
     for name in done:  # finished by an earlier invocation: the bar starts at their count
         manifest["stages"][name]["skipped_at"] = utc_now()
+    if done and progress:
+        finished = ", ".join(stage.name for stage in stages if stage.name in done)
+        print(f"resuming {run_dir}: skipping the finished stage(s) {finished}", file=sys.stderr)
     bar = tqdm(total=len(stages), initial=len(done), desc=f"run {cfg.run_name}", unit="stage",
                disable=not progress)
     current = None
