@@ -1,5 +1,5 @@
 """Shared test fixtures: the embedded policy, a real loopback OpenAI server, a fake GGUF
-file, two fake run folders."""
+file, two fake run folders, whether a process is alive."""
 
 from __future__ import annotations
 
@@ -22,6 +22,20 @@ def embedded_policy():
     from rlver_lib.models import load_policy
 
     return load_policy(PolicyConfig(dtype="float32"))
+
+
+def _process_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan may wait unreaped; Linux's /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def process_alive():
+    """``process_alive(pid) -> bool``: the process exists and is not a zombie."""
+    return _process_alive
 
 
 def free_port() -> int:

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -182,17 +181,9 @@ def test_llama_server_context_overflow_is_backend_error(llama_backend):
     llama_backend.check_alive()  # a rejected request leaves the server up
 
 
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie (a reparented child may wait unreaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="prctl(PR_SET_PDEATHSIG) is Linux's")
 @pytest.mark.parametrize("guarded", [True, False])
-def test_a_server_dies_with_a_killed_parent(guarded):
+def test_a_server_dies_with_a_killed_parent(guarded, process_alive):
     """A SIGKILLed parent (a Jupyter kernel killed after its shutdown wait) skips every
     clean-up; the guarded child goes with it, an unguarded one (the control) is orphaned."""
     script = ("import subprocess, sys, time\n"
@@ -203,15 +194,15 @@ def test_a_server_dies_with_a_killed_parent(guarded):
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     try:
-        assert _alive(child)
+        assert process_alive(child)
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 5
-        while _alive(child) and time.monotonic() < deadline:
+        while process_alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _alive(child) is not guarded
+        assert process_alive(child) is not guarded
     finally:
-        if _alive(child):
+        if process_alive(child):
             os.kill(child, signal.SIGKILL)
 
 

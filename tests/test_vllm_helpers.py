@@ -208,16 +208,7 @@ STAND_IN = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().split()[2] != "Z"
-
-
-def test_server_life_cycle_stops_the_whole_process_group(tmp_path):
+def test_server_life_cycle_stops_the_whole_process_group(tmp_path, process_alive):
     server = VLLMServer(ServeOptions("unused", device="cpu"), log_path=tmp_path / "server.log", startup_timeout_s=60,
                         stop_timeout_s=10)
     assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
@@ -229,11 +220,11 @@ def test_server_life_cycle_stops_the_whole_process_group(tmp_path):
         worker = int((tmp_path / "root" / "worker.pid").read_text())
         leader = server.process.pid
         assert os.getpgid(worker) == leader  # the worker is in the server's own process group
-        assert _alive(worker)
+        assert process_alive(worker)
     deadline = time.monotonic() + 10
-    while _alive(worker) and time.monotonic() < deadline:
+    while process_alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(worker) and not _alive(leader)
+    assert not process_alive(worker) and not process_alive(leader)
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
     server.close()  # idempotent
