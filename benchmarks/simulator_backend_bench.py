@@ -28,11 +28,11 @@ import jsonschema
 import pandas as pd
 from tqdm.auto import tqdm
 
-from rlver_lib.backends import LlamaServerBackend
 from rlver_lib.config import SamplingParams, SimulatorConfig
 from rlver_lib.files import atomic_write_json
 from rlver_lib.models import simulator_model_path
 from rlver_lib.scenarios import load_scenarios
+from rlver_lib.servers import LlamaServerBackend
 from rlver_lib.simulator import (
     APPRAISAL_SCHEMA,
     SimulatorError,

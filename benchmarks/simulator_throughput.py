@@ -47,11 +47,12 @@ from pathlib import Path
 import psutil
 from tqdm.auto import tqdm
 
-from rlver_lib.backends import LlamaServerBackend, OpenAIBackend
 from rlver_lib.config import SimulatorConfig
 from rlver_lib.files import atomic_write_json
 from rlver_lib.models import cache_dir, convert_gguf_policy, simulator_gguf_path
+from rlver_lib.openai_backend import OpenAIBackend
 from rlver_lib.scenarios import load_scenarios
+from rlver_lib.servers import LlamaServerBackend
 from rlver_lib.simulator import SimulatorRequest, UserSimulator
 
 POLICY_REPLIES = [

@@ -56,7 +56,7 @@ def _cpu_model() -> str:
 
 def smoke_policy(timeout_s: float = 600.0) -> SmokeResult:
     """Load the embedded policy and generate 4 tokens, in a child Python process."""
-    from rlver_lib.backends import _exit_description
+    from rlver_lib.servers import exit_description
 
     name = "policy SmolLM2-135M-Instruct (transformers)"
     try:
@@ -65,7 +65,7 @@ def smoke_policy(timeout_s: float = 600.0) -> SmokeResult:
     except subprocess.TimeoutExpired:
         return SmokeResult(name, False, f"no answer within {timeout_s:.0f} s")
     if proc.returncode != 0:
-        how, _ = _exit_description(proc.returncode)
+        how, _ = exit_description(proc.returncode)
         tail = " | ".join((proc.stderr or "").strip().splitlines()[-3:])
         return SmokeResult(name, False, f"{how}: {tail}")
     return SmokeResult(name, True, proc.stdout.strip().splitlines()[-1])
@@ -75,12 +75,13 @@ def smoke_simulator(binary: Path | None = None, model_path: Path | None = None,
                     startup_timeout_s: float = 300.0) -> SmokeResult:
     """Serve the embedded simulator GGUF with ``llama-server`` and generate 4 tokens.
 
-    The server is its own process (:class:`~rlver_lib.backends.LlamaServerBackend`),
+    The server is its own process (:class:`~rlver_lib.servers.LlamaServerBackend`),
     so a crash comes back as a failed result naming the signal.
     """
-    from rlver_lib.backends import BackendError, LlamaServerBackend
+    from rlver_lib.backends import BackendError
     from rlver_lib.config import SamplingParams
     from rlver_lib.models import EmbeddedModelError, default_threads, simulator_gguf_path
+    from rlver_lib.servers import LlamaServerBackend
 
     try:
         model_path = model_path or simulator_gguf_path()

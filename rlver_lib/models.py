@@ -323,10 +323,10 @@ def make_simulator_backend(sim_cfg: EndpointConfig, seed: int) -> "ChatBackend":
     - ``openai``: ``sim_cfg.base_url``, API key from the environment variable named
       by ``sim_cfg.api_key_env`` (may be unset for local servers).
     """
-    from rlver_lib import backends
+    from rlver_lib import backends, openai_backend, servers
 
     if sim_cfg.backend == "llamacpp":
-        return backends.LlamaServerBackend(
+        return servers.LlamaServerBackend(
             simulator_model_path(sim_cfg), n_ctx=sim_cfg.n_ctx, parallel=sim_cfg.concurrency,
             threads=sim_cfg.n_threads or default_threads(), seed=seed,
             # the slots share the cores: a request's latency grows with the batch, and a
@@ -342,7 +342,7 @@ def make_simulator_backend(sim_cfg: EndpointConfig, seed: int) -> "ChatBackend":
         model, tokenizer = load_causal_lm(sim_cfg.model, "auto")
         model.eval()
         return backends.TransformersBackend(model, tokenizer)
-    return backends.OpenAIBackend(
+    return openai_backend.OpenAIBackend(
         sim_cfg.base_url, sim_cfg.model, api_key=os.environ.get(sim_cfg.api_key_env),
         timeout_s=sim_cfg.timeout_s, max_retries=sim_cfg.max_retries,
         concurrency=sim_cfg.concurrency,

@@ -1,7 +1,7 @@
 """The native inference build: llama.cpp's ``llama-server``, compiled for the CPU it runs on.
 
 The embedded simulated user runs in a ``llama-server`` process
-(:class:`rlver_lib.backends.LlamaServerBackend`). The binary is compiled from the
+(:class:`rlver_lib.servers.LlamaServerBackend`). The binary is compiled from the
 llama.cpp sources vendored in the pinned ``llama-cpp-python`` source distribution, with
 each x86-64 instruction set turned on exactly when the CPU reports it
 (:func:`cmake_args`), never ``-march=native``, and AMX always off (its kernels die with

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from rlver_lib.backends import BackendError, Closing, Conversation, Generation, die_with_parent, free_port
+from rlver_lib.backends import BackendError, Closing, Conversation, Generation
 from rlver_lib.config import SamplingParams
 from rlver_lib.files import atomic_directory
+from rlver_lib.servers import die_with_parent, free_port
 
 if TYPE_CHECKING:
     from rlver_lib.config import PolicyConfig

@@ -53,8 +53,8 @@ def openai_server() -> str:
     SmolLM2 GGUF (model alias ``smollm2``), started for the session and always
     stopped afterwards.
     """
-    from rlver_lib.backends import LlamaServerBackend
     from rlver_lib.models import smollm2_gguf_path
+    from rlver_lib.servers import LlamaServerBackend
 
     with LlamaServerBackend(smollm2_gguf_path(), n_ctx=2048, parallel=4, threads=1, seed=0,
                             alias="smollm2") as server:

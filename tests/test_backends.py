@@ -21,13 +21,13 @@ from rlver_lib.backends import (
     BackendDied,
     BackendError,
     Generation,
-    LlamaServerBackend,
-    OpenAIBackend,
     TransformersBackend,
     UnusableOutput,
     structured_batch,
 )
 from rlver_lib.config import SamplingParams
+from rlver_lib.openai_backend import OpenAIBackend
+from rlver_lib.servers import LlamaServerBackend
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Say hello."}],
@@ -187,7 +187,7 @@ def test_a_server_dies_with_a_killed_parent(guarded, process_alive):
     """A SIGKILLed parent (a Jupyter kernel killed after its shutdown wait) skips every
     clean-up; the guarded child goes with it, an unguarded one (the control) is orphaned."""
     script = ("import subprocess, sys, time\n"
-              "from rlver_lib.backends import die_with_parent\n"
+              "from rlver_lib.servers import die_with_parent\n"
               f"child = subprocess.Popen(['sleep', '60'], preexec_fn={'die_with_parent()' if guarded else 'None'})\n"
               "print(child.pid, flush=True)\n"
               "time.sleep(60)\n")

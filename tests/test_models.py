@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlver_lib import models
-from rlver_lib.backends import LlamaServerBackend, OpenAIBackend, TransformersBackend
+from rlver_lib.backends import TransformersBackend
 from rlver_lib.config import (
     EMBEDDED_POLICY,
     EMBEDDED_SIMULATOR,
@@ -21,6 +21,8 @@ from rlver_lib.config import (
     load_config,
 )
 from rlver_lib.models import EmbeddedModelError, join_verified
+from rlver_lib.openai_backend import OpenAIBackend
+from rlver_lib.servers import LlamaServerBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -231,7 +233,7 @@ def test_managed_server_timeout_grows_with_its_slots(monkeypatch, tmp_path):
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr("rlver_lib.backends.LlamaServerBackend", Recorder)
+    monkeypatch.setattr("rlver_lib.servers.LlamaServerBackend", Recorder)
     models.make_simulator_backend(SimulatorConfig(model=str(gguf), concurrency=16, timeout_s=120), seed=3)
     assert seen["timeout_s"] == 1920 and seen["parallel"] == 16 and seen["path"] == gguf and seen["seed"] == 3
 
@@ -255,8 +257,8 @@ def test_paper_simulator_section_drives_a_served_model(openai_server, monkeypatc
     gets schema-valid structured replies for a batch in flight."""
     import jsonschema
 
-    from rlver_lib.backends import OpenAIBackend
     from rlver_lib.models import make_simulator_backend
+    from rlver_lib.openai_backend import OpenAIBackend
     from rlver_lib.simulator import REPLY_SCHEMA
 
     cfg = load_config(ROOT / "params" / "paper-grpo-nothink-moderate.yaml",

@@ -10,8 +10,9 @@ import pytest
 from native_support import SIGILL_SERVER, executable_script
 
 from rlver_lib import native
-from rlver_lib.backends import BackendDied, LlamaServerBackend
+from rlver_lib.backends import BackendDied
 from rlver_lib.config import SamplingParams
+from rlver_lib.servers import LlamaServerBackend
 
 # flags lines as /proc/cpuinfo prints them (trimmed to what matters)
 AVX2_ONLY = ("fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma bmi1 bmi2 avx2 movbe popcnt aes")

@@ -169,7 +169,7 @@ def test_served_next_token_logprobs_read_the_models_distribution(server):
     probabilities are a (partial) distribution."""
     import math
 
-    from rlver_lib.backends import OpenAIBackend
+    from rlver_lib.openai_backend import OpenAIBackend
 
     conversation = [{"role": "user", "content": "Is the sky blue on a clear day? Answer with one word: yes or no."}]
     with OpenAIBackend(server.base_url, server.served_model_name, timeout_s=300, max_retries=1) as client:
