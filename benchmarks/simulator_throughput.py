@@ -110,7 +110,7 @@ def _hf_simulator() -> Path:
 def serve(path: str, *, parallel: int, threads: int, seed: int, vllm_python: str):
     """Start the path's server; yields ``(backend, pid)``."""
     if path == "vllm":
-        from rlver_lib.vllm_backend import ServeOptions, VLLMServer
+        from rlver_lib.vllm_server import ServeOptions, VLLMServer
 
         # the dequantised float32 folder served as bfloat16; the KV cache holds every
         # dialogue's prompt (~1.5k tokens) with room for the prefixes it caches

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlver_lib"
 # sub-package (a folder) is one layer; its modules are named ``folder.module``.
 LAYERS: list[tuple[str, set[str]]] = [
     ("data and config", {"config", "files", "stats"}),
-    ("backends", {"native", "backends", "openai_backend", "servers", "vllm_backend"}),
+    ("backends", {"native", "backends", "openai_backend", "servers", "vllm_backend", "vllm_server"}),
     ("simulator and rollout", {"scenarios", "simulator", "models", "rollout", "records", "character", "plots"}),
     ("algorithms and trainer", {"algorithms", "checkpoint", "trainer"}),
     ("evaluation", {"evaluation.*"}),

@@ -23,19 +23,17 @@ from rlver_lib.config import PolicyConfig, SamplingParams, build_config
 from rlver_lib.vllm_backend import (
     DEFAULT_CPU_KV_CACHE_GB,
     AdapterVersion,
-    ServeOptions,
-    VLLMServer,
     adapter_version,
     engine_kwargs,
     generation_from_vllm,
     request_seed,
     resolve_device,
     sampling_kwargs,
-    serve_command,
     stale_adapter_dirs,
     structured_output_kwargs,
     vllm_max_lora_rank,
 )
+from rlver_lib.vllm_server import ServeOptions, VLLMServer, serve_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
