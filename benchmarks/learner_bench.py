@@ -13,7 +13,7 @@ step at the longest sequence a recipe allows (``policy.max_context_tokens +
 policy.max_new_tokens`` tokens, the last ``max_new_tokens`` of them policy tokens), with
 the recipe's LoRA, dtype, gradient checkpointing and loss coefficients on the embedded
 policy: scoring the old log-probs (no gradient), then one micro-batch's forward,
-backward and optimizer step (``trainer.micro_batch_loss``). Each phase's peak is the
+backward and optimizer step (``learner.micro_batch_loss``). Each phase's peak is the
 process's resident memory sampled every millisecond, minus its level before the phase.
 It uses only functions the trainer had before the chunked log-probs, so the same script
 measures an older checkout (``PYTHONPATH=<old checkout>``):
@@ -74,7 +74,7 @@ def _timed(update, repeats: int) -> float:
 
 def bench_ours(args, inputs) -> tuple[float, float]:
     from rlver_lib import algorithms as alg
-    from rlver_lib.trainer import PolicyWithValueHead
+    from rlver_lib.learner import PolicyWithValueHead
 
     model, _ = _lora_model(args)
     module = PolicyWithValueHead(model, None, temperature=1.0)
@@ -163,7 +163,7 @@ def learner_memory(args) -> dict:
     import gc
 
     import rlver_lib
-    from rlver_lib import trainer as learner
+    from rlver_lib import learner
     from rlver_lib.config import EMBEDDED_POLICY, load_config
 
     cfg = load_config(args.learner_memory, {"policy.model": EMBEDDED_POLICY, "policy.backend": "transformers",
@@ -179,7 +179,7 @@ def learner_memory(args) -> dict:
         ids = torch.randint(0, model.policy.config.vocab_size, (length,), generator=g)
         mask = torch.zeros(length - 1)
         mask[length - 1 - policy_tokens:] = 1.0
-        samples.append(learner._Sample(f"d{i}", "g", 0, ids, mask))
+        samples.append(learner.Sample(f"d{i}", "g", 0, ids, mask))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     gc.collect()
     with _PeakRSS() as scoring:
@@ -193,7 +193,7 @@ def learner_memory(args) -> dict:
         if s.old_values is None:
             s.old_values = torch.zeros_like(s.mask)
     optimizer = torch.optim.AdamW(learner.optimizer_groups(model, cfg.training))
-    batch = learner._collate(samples, pad, torch.device("cpu"))
+    batch = learner.collate(samples, pad, torch.device("cpu"))
     tokens, rows = float(batch["mask"].sum()), float(len(samples))
     model.train()
     gc.collect()

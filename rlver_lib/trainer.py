@@ -1,7 +1,7 @@
 """The learner loop: LoRA PPO and GRPO over multi-turn dialogues (the RLVER paper's
 training; docs/ARCHITECTURE.md "Code map").
 
-Batch sizes are global and counted in dialogues (:func:`batch_problems`), so a recipe
+Batch sizes are global and counted in dialogues (:func:`~rlver_lib.learner.batch_problems`), so a recipe
 means the same on any number of processes. A step: sample ``scenarios_per_step``
 scenarios (:func:`sample_scenario_indices`); each process rolls out ``group_size``
 dialogues for each scenario of its equal share (whole GRPO groups stay on one process),
@@ -10,12 +10,13 @@ from its own random stream (:func:`process_seed`); reward = final emotion / 100 
 the sampled ids; advantages (GRPO: group-normalised, uninformative groups left out; PPO:
 GAE across turns, whitened over all processes); ``epochs_per_step`` passes, each one
 optimizer step per ``mini_batch_size`` trained dialogues of all processes
-(:func:`dialogue_windows`), a process's share split into ``grad_accum_steps``
+(:func:`~rlver_lib.learner.dialogue_windows`), a process's share split into ``grad_accum_steps``
 micro-batches through accelerate's gradient accumulation; one LR-scheduler step; the
 policy hand-over to the rollout backend.
 Every process takes part in the same collectives and optimizer steps every step
 (zero-weight micro-batches where it has no samples); losses are normalised by the
-token count of the whole optimizer step over all processes. Checkpoints:
+token count of the whole optimizer step over all processes. The maths:
+:mod:`rlver_lib.learner`; checkpoints:
 :mod:`rlver_lib.checkpoint`; run folder: docs/ARCHITECTURE.md "Run folder".
 """
 
@@ -24,11 +25,9 @@ from __future__ import annotations
 import copy
 import math
 import os
-import resource
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
@@ -36,14 +35,33 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
-from rlver_lib import algorithms
 from rlver_lib.backends import Closing, PolicyBackend, close_backend
 from rlver_lib.checkpoint import Checkpoints
 from rlver_lib.config import ConfigError, RunConfig, TrainingConfig, dump_config, training_problems
 from rlver_lib.files import CheckpointFolder, RunFolder, atomic_directory, atomic_write_text, iter_jsonl, write_jsonl
+from rlver_lib.learner import (
+    UPDATE_SUMS,
+    Collectives,
+    Sample,
+    assign_advantages,
+    batch_problems,
+    build_model,
+    collate,
+    dialogue_windows,
+    empty_sample,
+    micro_batch_loss,
+    optimizer_groups,
+    optimizer_steps_per_epoch,
+    samples_from_trajectories,
+    score_old,
+    scoring_batch_size,
+    step_metrics,
+    train_reward,
+    update_metrics,
+    window_sizes,
+)
 
 TIMING_METRICS = ("step_time_s", "rollout_time_s", "update_time_s", "tokens_per_s",
                   "generated_tokens_per_s", "peak_memory_mb")
@@ -203,257 +221,6 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig):
     return scheduler
 
 
-# ---------------------------------------------------------------- model
-
-
-class PolicyWithValueHead(nn.Module):
-    """The LoRA policy plus (for PPO) a linear value head on the backbone's last hidden state.
-
-    ``forward(input_ids [B, L], attention_mask [B, L], mask [B, L-1])`` returns a dict of
-    ``[B, L-1]`` float32 tensors aligned with next-token positions (entry ``t`` scores
-    ``input_ids[:, t+1]``): ``logprobs`` (at the sampling temperature), ``entropy``
-    (nats; left out with ``entropy=False``, without gradient unless ``entropy_grad``)
-    and, with a value head, ``values``. Only positions where ``mask`` is 1 are computed
-    (the LM head runs on policy tokens only); the rest are 0. Log-probs and entropy
-    come from :func:`~rlver_lib.algorithms.chunked_logprobs_and_entropy`: the
-    full-vocabulary float32 logits exist a chunk of positions at a time, never for
-    the whole batch, and are recomputed in backward instead of kept.
-
-    The critic shares the policy: ``values`` is ``value_head(h)`` on the same LoRA
-    backbone's hidden state, without a detach, so the value loss also trains the
-    LoRA weights and both gradients are clipped together (RLVER/verl train a separate
-    critic model; docs/GPU.md "The shared critic").
-    """
-
-    def __init__(self, policy: nn.Module, value_head: nn.Linear | None, temperature: float):
-        super().__init__()
-        self.policy = policy
-        self.value_head = value_head
-        self.temperature = temperature if temperature > 0 else 1.0
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor, *,
-                entropy: bool = True, entropy_grad: bool = True) -> dict:
-        base = self.policy.get_base_model()
-        hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        selected = mask.bool()
-        h = hidden[:, :-1][selected]  # [N, H], N = number of policy tokens
-
-        def scatter(values: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
-            out[selected] = values
-            return out
-
-        logprobs, ent = algorithms.chunked_logprobs_and_entropy(
-            h, base.get_output_embeddings(), input_ids[:, 1:][selected], temperature=self.temperature,
-            entropy=entropy, entropy_grad=entropy_grad)
-        out = {"logprobs": scatter(logprobs)}
-        if ent is not None:
-            out["entropy"] = scatter(ent)
-        if self.value_head is not None:
-            out["values"] = scatter(self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float())
-        return out
-
-
-def build_model(cfg: RunConfig) -> tuple[PolicyWithValueHead, Any]:
-    """``(model, tokenizer)``: the policy of ``cfg.policy`` with a fresh LoRA adapter (or
-    its ``policy.adapter``, trainable), gradient checkpointing when asked, a zero-
-    initialised value head for PPO, and dropout switched off everywhere (as TRL's
-    ``disable_dropout``), so old and new log-probs come from the same function."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    from rlver_lib.models import load_policy
-
-    policy, tokenizer = load_policy(cfg.policy, trainable=True)
-    if not isinstance(policy, PeftModel):
-        lora = cfg.policy.lora
-        policy = get_peft_model(policy, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                   target_modules=lora.target_modules, task_type="CAUSAL_LM"))
-    if cfg.training.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        policy.enable_input_require_grads()
-    value_head = None
-    if cfg.training.algorithm == "ppo":
-        # zero-initialised: the first advantages are then the (whitened) returns, not
-        # the noise of a random critic over the backbone's large hidden states
-        value_head = nn.Linear(policy.config.hidden_size, 1)
-        nn.init.zeros_(value_head.weight)
-        nn.init.zeros_(value_head.bias)
-    model = PolicyWithValueHead(policy, value_head, cfg.policy.temperature)
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-    return model, tokenizer
-
-
-def optimizer_groups(model: PolicyWithValueHead, training: TrainingConfig) -> list[dict[str, Any]]:
-    """AdamW parameter groups: the LoRA weights at ``learning_rate``, the value head
-    (PPO) at ``value_learning_rate``."""
-    groups = [{"params": [p for p in model.policy.parameters() if p.requires_grad], "lr": training.learning_rate}]
-    if model.value_head is not None:
-        groups.append({"params": list(model.value_head.parameters()), "lr": training.value_learning_rate})
-    return groups
-
-
-# ---------------------------------------------------------------- samples and advantages
-
-
-_PER_POSITION = ("sampling_logprobs", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")
-
-
-@dataclass
-class _Sample:
-    """One policy turn prepared for training; per-position tensors are ``[L-1]``
-    (``sampling_logprobs``: the rollout engine's, NaN where it gave none)."""
-
-    dialogue_id: str
-    group_id: str
-    turn: int
-    input_ids: torch.Tensor
-    mask: torch.Tensor
-    sampling_logprobs: torch.Tensor | None = None
-    old_logprobs: torch.Tensor | None = None
-    ref_logprobs: torch.Tensor | None = None
-    old_values: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-
-
-def samples_from_trajectories(trajectories: Sequence[Any]) -> list[_Sample]:
-    """One :class:`_Sample` per policy turn of each trajectory, turns in order."""
-    samples = []
-    for t in trajectories:
-        for turn in sorted(t.samples, key=lambda s: s.turn):
-            ids = torch.tensor(turn.input_ids)
-            sampling = torch.full((len(ids) - 1,), float("nan"))
-            if len(turn.old_logprobs) == len(turn.completion_ids):
-                start = len(turn.context_ids) - 1
-                sampling[start:start + len(turn.completion_ids)] = torch.tensor(turn.old_logprobs)
-            samples.append(_Sample(t.dialogue_id, t.group_id, turn.turn, ids,
-                                   torch.tensor(turn.loss_mask[1:], dtype=torch.float32), sampling))
-    return samples
-
-
-def grpo_sample_advantages(samples: list[_Sample], rewards: dict[str, float], *,
-                           scale_rewards: bool) -> tuple[list[_Sample], int, int]:
-    """GRPO: every policy token of every turn carries its dialogue's group-normalised
-    advantage. Returns ``(kept samples, zero-variance groups, groups)``; samples of
-    zero-variance groups are left out (:func:`~rlver_lib.algorithms.informative_groups`)."""
-    dialogues = list(dict.fromkeys(s.dialogue_id for s in samples))
-    if not dialogues:
-        return [], 0, 0
-    group_of = {s.dialogue_id: s.group_id for s in samples}
-    reward = torch.tensor([rewards[d] for d in dialogues], dtype=torch.float32)
-    groups = [group_of[d] for d in dialogues]
-    advantage, zero_variance = algorithms.grpo_advantages(reward, groups, scale_rewards=scale_rewards)
-    keep = algorithms.informative_groups(reward, groups)
-    by_dialogue = {d: (float(a), bool(k)) for d, a, k in zip(dialogues, advantage, keep)}
-    for s in samples:
-        s.advantages = s.mask * by_dialogue[s.dialogue_id][0]
-    return [s for s in samples if by_dialogue[s.dialogue_id][1]], zero_variance, len(set(groups))
-
-
-def ppo_sample_advantages(samples: list[_Sample], rewards: dict[str, float], *, gamma: float, lam: float) -> None:
-    """PPO: GAE over each dialogue's policy tokens, its turns chained in order
-    (:func:`~rlver_lib.algorithms.dialogue_gae`); sets ``advantages`` and ``returns``."""
-    by_dialogue: dict[str, list[_Sample]] = defaultdict(list)
-    for s in samples:
-        by_dialogue[s.dialogue_id].append(s)
-    turns = [sorted(group, key=lambda s: s.turn) for group in by_dialogue.values()]
-    advantages, returns = algorithms.dialogue_gae(
-        [[s.old_values for s in dialogue] for dialogue in turns], [[s.mask for s in dialogue] for dialogue in turns],
-        [rewards[dialogue[0].dialogue_id] for dialogue in turns], gamma=gamma, lam=lam)
-    for dialogue, adv, ret in zip(turns, advantages, returns):
-        for s, a, r in zip(dialogue, adv, ret):
-            s.advantages, s.returns = a, r
-
-
-def train_reward(trajectory: Any, format_penalty: float, reward_scale: float = 1.0) -> float:
-    """The reward a dialogue is trained on: ``reward_scale`` x its reward (final emotion /
-    100, in [0, 1]; RLVER §3), minus ``format_penalty`` when a policy turn broke the
-    format; 0 for an ``error`` dialogue (trained only with ``training.error_dialogues:
-    zero_reward``). ``reward_scale = -1`` is the reversed-reward control
-    (``training.reward_scale``); the penalty keeps its sign either way."""
-    if trajectory.termination == "error":
-        return 0.0
-    return reward_scale * float(trajectory.reward) - (format_penalty if trajectory.format_violations else 0.0)
-
-
-def batch_problems(training: TrainingConfig, num_processes: int) -> list[str]:
-    """Batch settings that do not divide, each with its reason (empty when none).
-
-    The batch sizes are global and counted in dialogues, so a recipe means the same on
-    any number of processes (as verl's ``train_batch_size`` / ``ppo_mini_batch_size``):
-    a step rolls out ``scenarios_per_step x group_size`` dialogues over all processes,
-    ``scenarios_per_step / num_processes`` scenarios (whole GRPO groups) on each; one
-    optimizer step learns from ``mini_batch_size`` dialogues (all their turns), each
-    process contributing ``mini_batch_size / num_processes``. ``grad_accum_steps`` only
-    splits a process's share of an optimizer step into that many micro-batches (memory;
-    the gradient is that of the whole window either way). Refused: a
-    ``scenarios_per_step`` or ``mini_batch_size`` that does not divide by the number of
-    processes, and a ``mini_batch_size`` that does not divide a step's dialogues.
-    """
-    problems = []
-    processes, per_step, mini = num_processes, training.scenarios_per_step, training.mini_batch_size
-    dialogues = per_step * training.group_size
-    if per_step % processes:
-        problems.append(f"training.scenarios_per_step={per_step} does not divide over {processes} processes "
-                        f"(each rolls out an equal share of whole scenarios); use a multiple of {processes}")
-    if dialogues % mini:
-        problems.append(f"training.mini_batch_size={mini} (dialogues per optimizer step, over all processes) "
-                        f"does not divide the {dialogues} dialogues of a step (training.scenarios_per_step "
-                        f"{per_step} x training.group_size {training.group_size})")
-    if mini % processes:
-        problems.append(f"training.mini_batch_size={mini} (dialogues per optimizer step, over all processes) "
-                        f"does not divide over {processes} processes; use a multiple of {processes}")
-    return problems
-
-
-def optimizer_steps_per_epoch(dialogues: int, mini_batch_size: int) -> int:
-    """Optimizer steps of one pass over ``dialogues`` trained dialogues (all processes):
-    ``ceil(dialogues / mini_batch_size)``. All of a step's dialogues make
-    ``scenarios_per_step x group_size / mini_batch_size``; GRPO groups without signal
-    and dropped error dialogues make fewer, each still of about ``mini_batch_size``."""
-    if dialogues < 0 or mini_batch_size < 1:
-        raise ValueError(f"need dialogues >= 0 and mini_batch_size >= 1, got {dialogues}, {mini_batch_size}")
-    return math.ceil(dialogues / mini_batch_size)
-
-
-def scoring_batch_size(samples: Sequence[_Sample], training: TrainingConfig, num_processes: int) -> int:
-    """Samples per forward pass when scoring old log-probs: about a training
-    micro-batch's (``mini_batch_size / (num_processes x grad_accum_steps)`` dialogues'
-    turns at this step's turns per dialogue), at least 1."""
-    dialogues = len({s.dialogue_id for s in samples})
-    if not dialogues:
-        return 1
-    per_micro = training.mini_batch_size / (num_processes * training.grad_accum_steps)
-    return max(1, math.ceil(len(samples) / dialogues * per_micro))
-
-
-def dialogue_windows(n_local: int, offset: int, windows: int) -> list[int]:
-    """The optimizer step (window) of each of this process's ``n_local`` dialogues: the
-    dialogues of all processes in rank order (this process's first at ``offset``) are
-    dealt round-robin into ``windows`` windows, so every window holds the floor or
-    the ceiling of ``dialogues / windows`` over all processes, and on equal shares each
-    process contributes the same number to every window."""
-    if windows < 1:
-        raise ValueError(f"need windows >= 1, got {windows}")
-    return [(offset + j) % windows for j in range(n_local)]
-
-
-def window_sizes(chunks: Sequence[Sequence[_Sample]], accumulation: int) -> torch.Tensor:
-    """``[windows, 2]`` float64: the policy tokens and the samples of each window of
-    ``accumulation`` consecutive micro-batches (``chunks``) on this process; summed over
-    processes they are the window's loss normalisers."""
-    return torch.tensor([[sum(float(s.mask.sum()) for chunk in chunks[w:w + accumulation] for s in chunk),
-                          sum(len(chunk) for chunk in chunks[w:w + accumulation])]
-                         for w in range(0, len(chunks), accumulation)], dtype=torch.float64).reshape(-1, 2)
-
-
-def empty_sample(pad_id: int) -> _Sample:
-    """A zero-weight micro-batch (no policy token) for a process with no samples left."""
-    return _Sample("", "", 0, torch.tensor([pad_id, pad_id]), torch.zeros(1))
-
-
 def rest_rollout_backend(backend: Any) -> None:
     """Let the rollout ``backend`` free its device memory while the learner scores and
     updates (its ``sleep``, where it has one: vLLM's sleep mode,
@@ -462,231 +229,6 @@ def rest_rollout_backend(backend: Any) -> None:
     if sleep is not None:
         sleep()
 
-
-def _collate(samples: Sequence[_Sample], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded batch: ``input_ids``/``attention_mask`` ``[B, L]``, the rest ``[B, L-1]``
-    (a field a sample lacks is 0; ``sampling_logprobs`` is NaN where unknown)."""
-    def pad(rows, value=0.0):
-        return nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=value)
-
-    batch = {"input_ids": pad([s.input_ids for s in samples], pad_id),
-             "attention_mask": pad([torch.ones_like(s.input_ids) for s in samples], 0),
-             "mask": pad([s.mask for s in samples])}
-    for key in _PER_POSITION:
-        missing = float("nan") if key == "sampling_logprobs" else 0.0
-        batch[key] = pad([getattr(s, key) if getattr(s, key) is not None else torch.full_like(s.mask, missing)
-                          for s in samples], missing)
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-@torch.no_grad()
-def score_old(model: PolicyWithValueHead, samples: list[_Sample], *, batch_size: int, pad_id: int,
-              device: torch.device, reference: bool) -> None:
-    """Set old log-probs, old values (PPO) and, with ``reference``, reference log-probs
-    (the adapter disabled) of each sample: local forward passes of the unwrapped model,
-    ``batch_size`` samples at a time, no collectives."""
-    model.eval()
-    for start in range(0, len(samples), batch_size):
-        chunk = samples[start:start + batch_size]
-        batch = _collate(chunk, pad_id, device)
-        args = (batch["input_ids"], batch["attention_mask"], batch["mask"])
-        out = model(*args, entropy=False)  # the entropy of old samples is never used
-        ref = None
-        if reference:
-            with model.policy.disable_adapter():
-                ref = model(*args, entropy=False)["logprobs"]
-        for i, s in enumerate(chunk):
-            n = s.mask.numel()
-            s.old_logprobs = out["logprobs"][i, :n].cpu()
-            s.ref_logprobs = None if ref is None else ref[i, :n].cpu()
-            if "values" in out:
-                s.old_values = out["values"][i, :n].cpu()
-
-
-def micro_batch_loss(prepared: nn.Module, batch: dict[str, torch.Tensor], training: TrainingConfig, *,
-                 max_new_tokens: int, tokens: float, rows: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """The micro-batch's share of its window's loss (all terms in view, as in CleanRL) and
-    its local sums for the metrics; ``tokens``/``rows``: the window's policy tokens and
-    samples over all processes, the normalisers of every term."""
-    mask = batch["mask"]
-    out = prepared(batch["input_ids"], batch["attention_mask"], mask, entropy_grad=training.entropy_coef > 0)
-    weights = None
-    if training.is_correction:
-        weights = algorithms.truncated_is_weights(batch["old_logprobs"], batch["sampling_logprobs"], mask,
-                                                  training.is_cap)
-    normaliser = algorithms.aggregation_denominator(training.loss_aggregation, tokens=tokens, rows=rows,
-                                                    max_tokens=max_new_tokens)
-    policy = algorithms.clipped_policy_loss(
-        out["logprobs"], batch["old_logprobs"], batch["advantages"], mask, clip_eps=training.clip_eps,
-        aggregation=training.loss_aggregation, normaliser=normaliser, is_weights=weights)
-    entropy = algorithms.aggregate(out["entropy"], mask, "token_mean", normaliser=tokens)
-    loss = policy.loss - training.entropy_coef * entropy
-    n = float(mask.sum())
-    parts = {"policy_loss": float(policy.loss.detach()), "tokens": n,
-             "entropy": float((out["entropy"].detach() * mask).sum()),
-             "approx_kl_old": policy.approx_kl.item() * n, "clipped": policy.clip_fraction.item() * n}
-    if training.kl_coef > 0:
-        kl = algorithms.kl_penalty(out["logprobs"], batch["ref_logprobs"], training.kl_estimator)
-        loss = loss + training.kl_coef * algorithms.aggregate(kl, mask, "token_mean", normaliser=tokens)
-        parts["kl_ref"] = float((kl.detach() * mask).sum())
-    if training.algorithm == "ppo":
-        value_loss, value_clip = algorithms.clipped_value_loss(
-            out["values"], batch["old_values"], batch["returns"], mask, clip_eps=training.value_clip_eps,
-            normaliser=tokens)
-        loss = loss + training.vf_coef * value_loss
-        parts.update(value_loss=float(value_loss.detach()), value_clipped=float(value_clip) * n)
-    if weights is not None:
-        parts.update(is_weight=float((weights * mask).sum()),
-                     is_capped=float(((weights >= training.is_cap) * mask).sum()))
-    return loss, parts
-
-
-class Collectives:
-    """Reductions over the processes of ``accelerator`` (plain values on one process);
-    every process must call each of them, in the same order."""
-
-    def __init__(self, accelerator):
-        self.accelerator = accelerator
-
-    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over processes (float64, on the CPU)."""
-        if self.accelerator.num_processes == 1:
-            return tensor.double()
-        return self.accelerator.reduce(tensor.double().to(self.accelerator.device), reduction="sum").cpu()
-
-    def max(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The largest entry of ``tensor`` over processes."""
-        if self.accelerator.num_processes == 1:
-            return tensor.max()
-        return self.accelerator.gather(tensor.double().to(self.accelerator.device)).max().cpu()
-
-    def gather(self, records: list[Any]) -> list[Any]:
-        """Every process's records, rank 0's first."""
-        if self.accelerator.num_processes == 1:
-            return records
-        from accelerate.utils import gather_object
-
-        return gather_object(records)
-
-
-def assign_advantages(samples: list[_Sample], rewards: dict[str, float], training: TrainingConfig,
-                      collect: Collectives) -> tuple[list[_Sample], dict[str, float], dict[str, float]]:
-    """Advantages (and PPO returns) for ``samples``; returns the samples to train on,
-    the step's sample statistics summed over processes, and the explained variance
-    and largest sampling log-prob gap over processes."""
-    zero_variance = groups = 0
-    gaps = [algorithms.logprob_gap(s.old_logprobs, s.sampling_logprobs, s.mask) for s in samples]
-    if training.algorithm == "grpo":
-        samples, zero_variance, groups = grpo_sample_advantages(samples, rewards,
-                                                                scale_rewards=training.scale_rewards)
-    else:
-        ppo_sample_advantages(samples, rewards, gamma=training.gamma, lam=training.lam)
-        if training.whiten_advantages:  # over every process's policy tokens
-            moments = collect.sum(sum((algorithms.masked_moments(s.advantages, s.mask) for s in samples),
-                                    torch.zeros(3, dtype=torch.float64)))
-            for s in samples:
-                s.advantages = algorithms.whiten_with_moments(s.advantages, s.mask, moments)
-    ppo = training.algorithm == "ppo"
-    return_moments = sum((algorithms.masked_moments(s.returns, s.mask) for s in samples if ppo),
-                         torch.zeros(3, dtype=torch.float64))
-    residual_moments = sum((algorithms.masked_moments(s.returns - s.old_values, s.mask) for s in samples if ppo),
-                           torch.zeros(3, dtype=torch.float64))
-    local = torch.cat([torch.tensor([
-        len(samples), sum(float(s.mask.sum()) for s in samples),
-        sum(s.input_ids.numel() for s in samples) * training.epochs_per_step, zero_variance, groups,
-        sum(float(g[0]) for g in gaps), sum(float(g[2]) for g in gaps)], dtype=torch.float64),
-        return_moments, residual_moments])
-    total = collect.sum(local)
-    names = ("samples", "policy_tokens", "train_tokens", "zero_variance_groups", "groups", "gap_sum", "gap_count")
-    sums = dict(zip(names, total[:7].tolist()))
-    extra = {"logprob_gap_max": float(collect.max(torch.tensor([max([float(g[1]) for g in gaps] + [0.0])])))}
-    if ppo:
-        extra["explained_variance"] = algorithms.explained_variance_from_moments(total[7:10], total[10:13])
-    return samples, sums, extra
-
-
-
-def update_metrics(total: dict[str, float], grad_norms: list[float], training: TrainingConfig, *,
-                   windows: int) -> dict[str, float]:
-    """The update's metrics from the sums of :func:`micro_batch_loss` over every micro-batch
-    and process: losses as means over optimizer steps (``windows``), the rest as means
-    over policy tokens; ``grad_norm`` the mean over optimizer steps."""
-    tokens = max(total["tokens"], 1.0)
-    update = {"policy_loss": total["policy_loss"] / windows, "entropy": total["entropy"] / tokens,
-              "approx_kl_old": total["approx_kl_old"] / tokens, "clip_fraction": total["clipped"] / tokens,
-              "grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan")}
-    if training.kl_coef > 0:
-        update["kl_ref"] = total["kl_ref"] / tokens
-    if training.algorithm == "ppo":
-        update["value_loss"] = total["value_loss"] / windows
-        update["value_clip_fraction"] = total["value_clipped"] / tokens
-    if training.is_correction:
-        update["is_weight_mean"] = total["is_weight"] / tokens
-        update["is_capped_fraction"] = total["is_capped"] / tokens
-    return update
-
-
-_UPDATE_SUMS = ("policy_loss", "tokens", "entropy", "approx_kl_old", "clipped", "kl_ref", "value_loss",
-                "value_clipped", "is_weight", "is_capped")
-
-
-# ---------------------------------------------------------------- metrics
-
-
-def _peak_memory_mb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def step_metrics(records: Sequence[dict[str, Any]], sums: dict[str, float], update: dict[str, float],
-                 **fields: Any) -> dict[str, Any]:
-    """One metrics row from every process's dialogue ``records`` (``to_record()`` plus
-    ``train_reward`` and ``trained``), the sample ``sums`` (added over processes) and the
-    ``update`` statistics; ``fields`` (step, data position, learning rate, number of
-    processes, timings) are copied in. NaN where a metric is not defined for the step."""
-    nan = float("nan")
-    n = max(1, len(records))
-    reward = np.array([r["reward"] for r in records], dtype=float)
-    trained = [r["train_reward"] for r in records if r["trained"]]
-    assistant = [x for r in records for x in r["transcript"] if x.get("role") == "assistant"]
-    policy_turns = sum(r["policy_turns"] for r in records)
-    row: dict[str, Any] = {key: fields[key] for key in ("step", "data_position", "num_processes")}
-    row.update({
-        "dialogues": len(records),
-        "reward_mean": float(reward.mean()) if len(reward) else nan,
-        "reward_std": float(reward.std()) if len(reward) else nan,
-        "train_reward_mean": float(np.mean(trained)) if trained else nan,
-        "success_rate": sum(r["termination"] == "success" for r in records) / n,
-        "failure_rate": sum(r["termination"] == "failure" for r in records) / n,
-        "error_rate": sum(r["termination"] == "error" for r in records) / n,
-        "error_dialogues": sum(r["termination"] == "error" for r in records),
-        "final_emotion_mean": float(np.mean([r["final_emotion"] for r in records])) if records else nan,
-        "turns_mean": policy_turns / len(records) if records else nan,
-        "format_violation_rate": sum(r["format_violations"] for r in records) / max(1, policy_turns),
-        "zero_variance_group_share": sums["zero_variance_groups"] / sums["groups"] if sums["groups"] else 0.0,
-        "completion_tokens_mean": sums["policy_tokens"] / max(1.0, sums["samples"]),
-        "reply_chars_mean": float(np.mean([len(x.get("content") or "") for x in assistant])) if assistant else 0.0,
-        "thought_chars_mean": float(np.mean([len(x.get("thought") or "") for x in assistant])) if assistant else 0.0,
-        "samples": int(sums["samples"]),
-        "learning_rate": fields["learning_rate"],
-        "explained_variance": fields.get("explained_variance", nan),
-        "logprob_gap_mean": sums["gap_sum"] / sums["gap_count"] if sums["gap_count"] else nan,
-        "logprob_gap_max": fields.get("logprob_gap_max", nan) if sums["gap_count"] else nan,
-    })
-    row.update({k: update.get(k, nan) for k in (
-        "policy_loss", "value_loss", "entropy", "kl_ref", "approx_kl_old", "clip_fraction",
-        "value_clip_fraction", "is_weight_mean", "is_capped_fraction", "grad_norm")})
-    row["optimizer_steps"] = int(update.get("optimizer_steps", 0))
-    row.update({k: update.get(k, nan) for k in ("samples_per_update", "dialogues_per_update")})
-    update_s, rollout_s = fields["update_time_s"], fields["rollout_time_s"]
-    row.update({
-        "step_time_s": fields["step_time_s"], "rollout_time_s": rollout_s, "update_time_s": update_s,
-        "tokens_per_s": sums["train_tokens"] / update_s if update_s > 0 else nan,
-        "generated_tokens_per_s": sums["policy_tokens"] / rollout_s if rollout_s > 0 else nan,
-        "peak_memory_mb": _peak_memory_mb(),
-    })
-    return row
 
 
 # ---------------------------------------------------------------- the learner
@@ -702,7 +244,7 @@ class Trainer(Closing):
     :class:`~rlver_lib.backends.PolicyBackend` that is handed the policy after every
     update (default: :func:`rlver_lib.models.make_policy_backend` over the live model).
 
-    ``model`` is the :class:`PolicyWithValueHead` (its ``policy`` the live
+    ``model`` is the :class:`~rlver_lib.learner.PolicyWithValueHead` (its ``policy`` the live
     ``peft.PeftModel``); ``prepared`` is what ``accelerator.prepare`` made of it (a DDP
     or DeepSpeed wrapper, or the model itself), used for the update's forward and
     backward passes. Dropout is switched off in the whole model (as TRL's
@@ -893,16 +435,16 @@ class Trainer(Closing):
             f"{self.folder.step_dialogues_file(self.step, failed=True)}; "
             f"last checkpoint: {last or 'none yet'}; run the same command again to resume")
 
-    def _update(self, samples: list[_Sample], step_seed: int) -> dict[str, float]:
+    def _update(self, samples: list[Sample], step_seed: int) -> dict[str, float]:
         """``epochs_per_step`` passes; each pass deals the trained dialogues of all processes
-        into :func:`optimizer_steps_per_epoch` windows of about ``mini_batch_size`` dialogues
-        (:func:`dialogue_windows`), one optimizer step per window; each process splits its
+        into :func:`~rlver_lib.learner.optimizer_steps_per_epoch` windows of about ``mini_batch_size`` dialogues
+        (:func:`~rlver_lib.learner.dialogue_windows`), one optimizer step per window; each process splits its
         share of a window (all turns of its dialogues there) into ``grad_accum_steps``
         micro-batches (accelerate's ``accumulate``). Returns the step's update statistics
         over all processes (``{}`` when no process has samples)."""
         training, accelerator = self.training, self.accelerator
         accumulation = training.grad_accum_steps
-        by_dialogue: dict[str, list[_Sample]] = defaultdict(list)
+        by_dialogue: dict[str, list[Sample]] = defaultdict(list)
         for s in samples:
             by_dialogue[s.dialogue_id].append(s)
         dialogues = list(by_dialogue)
@@ -916,13 +458,13 @@ class Trainer(Closing):
         n_windows = optimizer_steps_per_epoch(total, training.mini_batch_size)  # the same on every process
         offset = int(counts[:rank].sum())
         generator = torch.Generator().manual_seed(step_seed)
-        totals = dict.fromkeys(_UPDATE_SUMS, 0.0)
+        totals = dict.fromkeys(UPDATE_SUMS, 0.0)
         grad_norms: list[float] = []
         window_samples: list[float] = []
         self.prepared.train()
         for _ in range(training.epochs_per_step):
             order = torch.randperm(len(dialogues), generator=generator).tolist()
-            windows: list[list[_Sample]] = [[] for _ in range(n_windows)]
+            windows: list[list[Sample]] = [[] for _ in range(n_windows)]
             for d, w in zip(order, dialogue_windows(len(dialogues), offset, n_windows)):
                 windows[w].extend(by_dialogue[dialogues[d]])
             chunks = [[window[i] for i in part] for window in windows
@@ -932,7 +474,7 @@ class Trainer(Closing):
                 tokens, rows = sizes[k // accumulation].tolist()
                 if rows == 0:  # an empty window on every process: no optimizer step
                     continue
-                batch = _collate(chunk or [empty_sample(self.pad_id)], self.pad_id, accelerator.device)
+                batch = collate(chunk or [empty_sample(self.pad_id)], self.pad_id, accelerator.device)
                 with accelerator.accumulate(self.prepared):
                     loss, parts = micro_batch_loss(self.prepared, batch, training, tokens=tokens, rows=rows,
                                                    max_new_tokens=self.cfg.policy.max_new_tokens)
@@ -950,8 +492,8 @@ class Trainer(Closing):
                 for key, value in parts.items():
                     totals[key] += value
             window_samples += [rows for _, rows in sizes.tolist() if rows > 0]
-        summed = self.collect.sum(torch.tensor([totals[k] for k in _UPDATE_SUMS], dtype=torch.float64))
-        update = update_metrics(dict(zip(_UPDATE_SUMS, summed.tolist())), grad_norms, training,
+        summed = self.collect.sum(torch.tensor([totals[k] for k in UPDATE_SUMS], dtype=torch.float64))
+        update = update_metrics(dict(zip(UPDATE_SUMS, summed.tolist())), grad_norms, training,
                                 windows=len(window_samples))
         update.update(optimizer_steps=len(window_samples), samples_per_update=float(np.mean(window_samples)),
                       dialogues_per_update=total * training.epochs_per_step / len(window_samples))

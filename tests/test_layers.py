@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("data and config", {"config", "files", "stats"}),
     ("backends", {"native", "backends", "openai_backend", "servers", "vllm_backend", "vllm_server"}),
     ("simulator and rollout", {"scenarios", "simulator", "models", "rollout", "records", "character", "plots"}),
-    ("algorithms and trainer", {"algorithms", "checkpoint", "trainer"}),
+    ("algorithms and trainer", {"algorithms", "checkpoint", "learner", "trainer"}),
     ("evaluation", {"evaluation.*"}),
     ("analysis", {"analysis.*"}),
     ("pipeline and CLI", {"pipeline.*", "doctor", "cli"}),

@@ -18,25 +18,27 @@ from training_support import FakeAccelerator, hashed_change, starts_with_i, tiny
 from rlver_lib import algorithms
 from rlver_lib.config import EMBEDDED_POLICY, ConfigError, build_config, load_config
 from rlver_lib.files import iter_jsonl
-from rlver_lib.simulator import RuleSimulator
-from rlver_lib.trainer import (
-    Trainer,
-    TrainerError,
-    _Sample,
+from rlver_lib.learner import (
+    Sample,
     batch_problems,
-    check_launch,
-    configure_deepspeed,
     dialogue_windows,
     grpo_sample_advantages,
-    lr_scheduler,
     optimizer_steps_per_epoch,
     ppo_sample_advantages,
-    process_seed,
-    sample_scenario_indices,
     samples_from_trajectories,
     score_old,
     train_reward,
     window_sizes,
+)
+from rlver_lib.simulator import RuleSimulator
+from rlver_lib.trainer import (
+    Trainer,
+    TrainerError,
+    check_launch,
+    configure_deepspeed,
+    lr_scheduler,
+    process_seed,
+    sample_scenario_indices,
 )
 
 
@@ -207,7 +209,7 @@ def _sample(dialogue, turn, context, values, group="g"):
     n = context + len(values)
     mask = torch.tensor([0.0] * (context - 1) + [1.0] * len(values))
     old_values = torch.tensor([9.0] * (context - 1) + list(values))
-    return _Sample(dialogue, group, turn, torch.arange(n), mask, old_values=old_values)
+    return Sample(dialogue, group, turn, torch.arange(n), mask, old_values=old_values)
 
 
 def test_grpo_every_turn_carries_its_dialogues_advantage_and_flat_groups_are_left_out():
@@ -285,7 +287,7 @@ def test_each_process_draws_its_own_seed_and_process_0_the_run_seed():
 
 
 def test_window_sizes_count_policy_tokens_and_samples_per_window():
-    a, b, c = (_Sample("d", "g", 0, torch.zeros(n + 1, dtype=torch.long), torch.tensor([1.0] * n + [0.0]))
+    a, b, c = (Sample("d", "g", 0, torch.zeros(n + 1, dtype=torch.long), torch.tensor([1.0] * n + [0.0]))
                for n in (1, 2, 3))
     # micro-batches [a, b], [c], [], [a]; windows of 2 micro-batches: ([a, b], [c]) and ([], [a])
     sizes = window_sizes([[a, b], [c], [], [a]], 2)
@@ -326,7 +328,7 @@ def test_policy_forward_keeps_no_entropy_graph_when_not_needed():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlver_lib.trainer import PolicyWithValueHead
+    from rlver_lib.learner import PolicyWithValueHead
 
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -346,14 +348,14 @@ def test_score_old_computes_no_entropy_and_matches_the_update_forward(monkeypatc
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlver_lib.trainer import PolicyWithValueHead
+    from rlver_lib.learner import PolicyWithValueHead
 
     torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=2))
     model = PolicyWithValueHead(get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])),
                                 torch.nn.Linear(16, 1), 0.7)
-    samples = [_Sample(f"d#{k}", "d", 0, torch.tensor([1, 2, 3, 4, 5][:4 + k]), torch.tensor([0.0, 1, 1, 1][:3 + k]))
+    samples = [Sample(f"d#{k}", "d", 0, torch.tensor([1, 2, 3, 4, 5][:4 + k]), torch.tensor([0.0, 1, 1, 1][:3 + k]))
                for k in range(2)]
     asked, real = [], algorithms.chunked_logprobs_and_entropy
     monkeypatch.setattr(algorithms, "chunked_logprobs_and_entropy",
@@ -473,7 +475,7 @@ def test_error_dialogues_are_counted_and_accumulation_steps_once_per_window_with
 
     # hand-made samples, one per dialogue: mini-batches of 2 dialogues -> exactly 2 optimizer steps,
     # each of 2 micro-batches of one sample, with the gradient of its window's token-mean loss
-    samples = [_Sample(f"x#{k}", "x", 0, torch.tensor([1, 5 + k, 9, 11 + k][:3 + k % 2]),
+    samples = [Sample(f"x#{k}", "x", 0, torch.tensor([1, 5 + k, 9, 11 + k][:3 + k % 2]),
                        torch.tensor([0.0, 1.0, 1.0][:2 + k % 2])) for k in range(4)]
     score_old(trainer.model, samples, batch_size=1, pad_id=trainer.pad_id, device=trainer.accelerator.device,
               reference=False)
