@@ -36,7 +36,7 @@ from rlver_lib.config import JudgeConfig
 from rlver_lib.evaluation.agreement import lane_order, load_replay, partial_spearman, sample_dialogues
 from rlver_lib.files import atomic_write_json
 from rlver_lib.models import build_simulator
-from rlver_lib.simulator import SimulatorRequest
+from rlver_lib.user_prompts import SimulatorRequest
 
 
 def fit_center_scale(scores: np.ndarray, recorded: np.ndarray) -> tuple[float, float]:

@@ -4,7 +4,7 @@ Sends N appraise calls (the simulator's real appraise prompt: shipped test
 scenarios x four kinds of policy reply, cycled) to the embedded simulator
 (Qwen2.5-Coder-1.5B-Instruct Q4_K_M) through :class:`LlamaServerBackend` (one slot), twice:
 without a schema (the prompt still asks for JSON) and JSON-schema constrained
-(``simulator.APPRAISAL_SCHEMA``). Per mode it reports completion tokens/s,
+(``appraisal.APPRAISAL_SCHEMA``). Per mode it reports completion tokens/s,
 calls/min (wall time per call includes processing the ~700-token prompt), the
 share of raw outputs that are one JSON object valid against the schema
 (``jsonschema``; a code-fenced object does not count) and the share the
@@ -28,18 +28,13 @@ import jsonschema
 import pandas as pd
 from tqdm.auto import tqdm
 
+from rlver_lib.appraisal import APPRAISAL_SCHEMA, SimulatorError, parse_appraisal
 from rlver_lib.config import SamplingParams, SimulatorConfig
 from rlver_lib.files import atomic_write_json
 from rlver_lib.models import simulator_model_path
 from rlver_lib.scenarios import load_scenarios
 from rlver_lib.servers import LlamaServerBackend
-from rlver_lib.simulator import (
-    APPRAISAL_SCHEMA,
-    SimulatorError,
-    SimulatorRequest,
-    appraise_messages,
-    parse_appraisal,
-)
+from rlver_lib.user_prompts import SimulatorRequest, appraise_messages
 
 REPLY_KINDS = {
     "warm": "That sounds really painful, and it makes sense you feel this way. "

@@ -23,20 +23,13 @@ import argparse
 import time
 from statistics import mean
 
+from rlver_lib.appraisal import SCALES, SimulatorError, appraisal_schema, expected_change, parse_appraisal
 from rlver_lib.config import SimulatorConfig
 from rlver_lib.files import atomic_write_json
 from rlver_lib.models import make_simulator_backend
 from rlver_lib.scenarios import Scenario
-from rlver_lib.simulator import (
-    SCALES,
-    SimulatorError,
-    SimulatorRequest,
-    UserSimulator,
-    appraisal_schema,
-    appraise_messages,
-    expected_change,
-    parse_appraisal,
-)
+from rlver_lib.simulator import UserSimulator
+from rlver_lib.user_prompts import SimulatorRequest, appraise_messages
 
 # (persona, situation, personality, hidden intention, opening line, warm need-addressing reply)
 PERSONAS = [

@@ -53,7 +53,8 @@ from rlver_lib.models import cache_dir, convert_gguf_policy, simulator_gguf_path
 from rlver_lib.openai_backend import OpenAIBackend
 from rlver_lib.scenarios import load_scenarios
 from rlver_lib.servers import LlamaServerBackend
-from rlver_lib.simulator import SimulatorRequest, UserSimulator
+from rlver_lib.simulator import UserSimulator
+from rlver_lib.user_prompts import SimulatorRequest
 
 POLICY_REPLIES = [
     "That sounds really hard. What part of it weighs on you the most right now?",

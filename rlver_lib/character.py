@@ -18,8 +18,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rlver_lib.appraisal import FAILURE_EMOTION, SUCCESS_EMOTION
 from rlver_lib.records import record_transcript
-from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION
 
 _WISH_EN = re.compile(r"\bi\s+(really\s+|just\s+|only\s+)?(want|need|wish|would like|hope)\b"
                       r"|\bi['’]d\s+(really\s+|just\s+)?(like|love)\b"

@@ -16,9 +16,9 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from rlver_lib.appraisal import FAILURE_EMOTION, SUCCESS_EMOTION
 from rlver_lib.config import PAPER_AXES
 from rlver_lib.files import atomic_write_bytes
-from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION
 
 # --------------------------------------------------------------------------- plots
 

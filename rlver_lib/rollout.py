@@ -24,16 +24,11 @@ from typing import Any, Literal, Protocol, Sequence
 
 from tqdm.auto import tqdm
 
+from rlver_lib.appraisal import FAILURE_EMOTION, SUCCESS_EMOTION
 from rlver_lib.backends import ChatBackend, Conversation, derive_seed
 from rlver_lib.config import SamplingParams
-from rlver_lib.simulator import (
-    FAILURE_EMOTION,
-    SUCCESS_EMOTION,
-    SimulatorRequest,
-    SimulatorTurn,
-    prompt_text,
-    scenario_language,
-)
+from rlver_lib.simulator import SimulatorTurn
+from rlver_lib.user_prompts import SimulatorRequest, prompt_text, scenario_language
 
 Termination = Literal["success", "failure", "goodbye", "max_turns", "context_limit", "error",
                       "format_violation"]

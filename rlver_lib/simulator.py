@@ -1,15 +1,15 @@
 """The affective simulated user (the RLVER paper's SAGE-style "sentient agent"; docs/ARCHITECTURE.md "Code map").
 
-The user holds an emotion score ``e`` in [0, 100] and a mood letter (:func:`mood_for`).
+The user holds an emotion score ``e`` in [0, 100] and a mood letter (:func:`~rlver_lib.appraisal.mood_for`).
 After each policy reply it *appraises* the reply, the update rule runs in code
-(:func:`apply_change`: ``e = clamp(e + clamp(change, -10, 10), 0, 100)``, over real
+(:func:`~rlver_lib.appraisal.apply_change`: ``e = clamp(e + clamp(change, -10, 10), 0, 100)``, over real
 numbers), and it *replies* (the next user message, given the appraisal and the new
 mood, with an ``end_conversation`` flag). Three appraisal modes (``simulator.appraisal``):
 
 - ``expected``: a checklist of yes/no questions tied to the scenario's hidden
-  intention (:func:`checklist`), each answered by reading P(yes) from the model's
+  intention (:func:`~rlver_lib.user_prompts.checklist`), each answered by reading P(yes) from the model's
   next-token distribution (one prefill, no sampling), combined into a real-valued change
-  (:func:`expected_change`). G-Eval (Liu et al., 2023) reads probabilities instead of a
+  (:func:`~rlver_lib.appraisal.expected_change`). G-Eval (Liu et al., 2023) reads probabilities instead of a
   sampled score for the same reason: a smooth, low-noise number;
 - ``sage``: a sampled JSON appraisal by a third-person analyser that looks first for
   what does not fit the hidden intention, on SAGE's scale (-10, -5, 0, +5, +10);
@@ -22,19 +22,30 @@ that still fails carries ``error`` and no invented score. A prompt that would no
 model's context is shortened by a stated rule (:func:`fit_history`) and the turn records
 how many messages were left out. Only ``reply`` is meant for the policy. Every batched
 call is seeded from (simulator seed, stage, turn, attempt), whichever dialogues share it.
+The emotion rules, scales, schemas and parsers are in :mod:`rlver_lib.appraisal`; the
+requests and the prompts they are rendered into, in :mod:`rlver_lib.user_prompts`.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import re
 from dataclasses import dataclass, field
-from functools import lru_cache
-from importlib import resources
-from string import Template
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
+from rlver_lib.appraisal import (
+    DIFFICULTY_SHIFT,
+    OPENING_SCHEMA,
+    SCALES,
+    Mood,
+    apply_change,
+    appraisal_schema,
+    expected_change,
+    mood_for,
+    parse_appraisal,
+    parse_opening,
+    parse_reply,
+    reply_schema,
+)
 from rlver_lib.backends import (
     BackendDied,
     BackendError,
@@ -49,155 +60,20 @@ from rlver_lib.backends import (
     structured_batch,
 )
 from rlver_lib.config import SimulatorConfig, UserModelConfig
-
-Mood = Literal["S", "A", "B", "C", "F"]
-Difficulty = Literal["easy", "moderate", "hard"]
-AppraisalMode = Literal["expected", "sage", "first_person"]
-
-MIN_CHANGE, MAX_CHANGE = -10, 10
-MIN_EMOTION, MAX_EMOTION = 0, 100
-SUCCESS_EMOTION, FAILURE_EMOTION = 100, 10
-
-APPRAISAL_FIELDS = ("reply_meaning", "intention_fit", "inner_reaction")
-#: Default length caps (characters) on the free-text fields (``simulator.appraisal_chars``
-#: and ``simulator.message_chars``): a grammar-constrained model then always closes the
-#: object within its token budget, where unbounded reasoning ran past it and left
-#: unusable, truncated JSON (measured with the embedded 1.5B simulator: 4 of 24
-#: appraisals at 200 tokens). Strong judges get larger caps in the paper recipes.
-APPRAISAL_FIELD_CHARS = 200
-REPLY_REASONING_CHARS, MESSAGE_CHARS = 200, 400
-
-
-#: The changes each sampled appraisal mode may give: SAGE's stored judgements use only
-#: -10, -5, 0, +5 and +10 (a polite reply that misses the hidden need is -5).
-SCALES: dict[str, tuple[int, ...]] = {
-    "sage": (-10, -5, 0, 5, 10),
-    "first_person": tuple(range(MIN_CHANGE, MAX_CHANGE + 1)),
-}
-#: Shift of ``expected_center`` (on the P(yes) scale) by difficulty: a harsh user needs a
-#: clearer "yes" for the same change, a lenient one less.
-DIFFICULTY_SHIFT: dict[str, float] = {"easy": -0.05, "moderate": 0.0, "hard": 0.05}
-#: Below this P(yes) of the natural-language guard an expected-value change slides to -10.
-GUARD_FLOOR = 0.5
-
-
-def appraisal_schema(field_chars: int = APPRAISAL_FIELD_CHARS, mode: str = "first_person") -> dict[str, Any]:
-    """JSON schema of a sampled appraise output: the text fields capped at ``field_chars``
-    characters, ``change`` one of ``SCALES[mode]``. Raises ``KeyError`` for ``expected``
-    (it samples no JSON)."""
-    return {
-        "type": "object",
-        "properties": {
-            **{name: {"type": "string", "maxLength": field_chars} for name in APPRAISAL_FIELDS},
-            # an enum, not minimum/maximum: some schema-to-grammar converters ignore integer bounds
-            "change": {"type": "integer", "enum": list(SCALES[mode])},
-        },
-        "required": [*APPRAISAL_FIELDS, "change"],
-        "additionalProperties": False,
-    }
-
-
-def reply_schema(field_chars: int = REPLY_REASONING_CHARS, message_chars: int = MESSAGE_CHARS,
-                 *, reasoning: bool = True) -> dict[str, Any]:
-    """JSON schema of the reply output: ``reasoning`` (private notes, left out when
-    ``reasoning`` is false: after a checklist appraisal the notes add tokens, not
-    direction), ``message`` (at most ``message_chars`` characters), ``end_conversation``."""
-    fields = {"reasoning": {"type": "string", "maxLength": field_chars}} if reasoning else {}
-    fields |= {"message": {"type": "string", "maxLength": message_chars}, "end_conversation": {"type": "boolean"}}
-    return {"type": "object", "properties": fields, "required": list(fields), "additionalProperties": False}
-
-
-APPRAISAL_SCHEMA: dict[str, Any] = appraisal_schema()
-REPLY_SCHEMA: dict[str, Any] = reply_schema()
-OPENING_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"message": {"type": "string", "maxLength": MESSAGE_CHARS}},
-    "required": ["message"],
-    "additionalProperties": False,
-}
-
-
-class SimulatorError(UnusableOutput):
-    """A structured simulator output that cannot be used (the message says why)."""
-
-
-# ---------------------------------------------------------------------------
-# update rule
-
-
-def mood_for(e: float) -> Mood:
-    """Mood letter of emotion score ``e`` (the SAGE / RLVER emotion labels).
-
-    S: e >= 100, A: e >= 70, B: e >= 40, C: e >= 10, F: e < 10.
-    """
-    if e >= SUCCESS_EMOTION:
-        return "S"
-    if e >= 70:
-        return "A"
-    if e >= 40:
-        return "B"
-    if e >= FAILURE_EMOTION:
-        return "C"
-    return "F"
-
-
-def apply_change(e: float, change: float) -> tuple[float, float]:
-    """The emotion update rule of the RLVER paper's simulated user: returns ``(clamped_change, new_e)``.
-
-    ``clamped_change`` = ``change`` clamped to [-10, 10]; ``new_e`` =
-    ``e + clamped_change`` clamped to [0, 100]. Real numbers (an expected-value change is
-    one); integers in give integers out. Raises ``TypeError`` when either argument is not
-    a real number (``bool`` included), ``ValueError`` when it is NaN.
-    """
-    for name, value in (("e", e), ("change", change)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a real number, got {value!r}")
-        if math.isnan(value):
-            raise ValueError(f"{name} is NaN")
-    clamped = max(MIN_CHANGE, min(MAX_CHANGE, change))
-    return clamped, max(MIN_EMOTION, min(MAX_EMOTION, e + clamped))
-
-
-def expected_change(p_content: Sequence[float], p_guard: float, *, center: float, scale: float) -> float:
-    """The change of an expected-value (checklist) appraisal, before the update rule's clamp.
-
-    ``p_content``: P(yes) of each content question (shape (k,), each in [0, 1]);
-    ``p_guard``: P(yes) of "is this natural language addressed to you?". The content score
-    ``s = mean(p_content)`` moves the emotion by ``scale * (s - center)`` clamped to
-    [-10, 10]; below :data:`GUARD_FLOOR` the guard slides that towards -10:
-    ``w * content + (1 - w) * (-10)`` with ``w = min(1, p_guard / GUARD_FLOOR)``, so a
-    reply the model more likely than not finds unnatural loses up to the whole scale,
-    and the guard's own bias on natural replies (the embedded 1.5B model answers it
-    with P(yes) 0.55-0.65, docs/MEASURED.md) moves nothing. Raises ``ValueError`` on an
-    empty ``p_content`` or a probability outside [0, 1]. This project's design
-    (docs/ARCHITECTURE.md "Code map").
-    """
-    probs = [*p_content, p_guard]
-    if not p_content or any(not 0.0 <= p <= 1.0 for p in probs):
-        raise ValueError(f"need at least one content probability, all in [0, 1]; got {probs}")
-    content = max(MIN_CHANGE, min(MAX_CHANGE, scale * (sum(p_content) / len(p_content) - center)))
-    weight = min(1.0, p_guard / GUARD_FLOOR)
-    return weight * content + (1.0 - weight) * MIN_CHANGE
-
+from rlver_lib.user_prompts import (
+    ChecklistQuestion,
+    SimulatorRequest,
+    appraise_messages,
+    checklist,
+    checklist_messages,
+    opening_messages,
+    reply_messages,
+    scenario_language,
+    shorten_history,
+)
 
 # ---------------------------------------------------------------------------
 # requests and results
-
-
-@dataclass
-class SimulatorRequest:
-    """One dialogue waiting for the simulated user's reaction.
-
-    ``history``: the visible conversation (``role`` user/assistant, ``content``),
-    ending with the policy reply to appraise. ``emotion``: score before this
-    turn (0-100). ``turn``: 0-based policy-turn index.
-    """
-
-    dialogue_id: str
-    scenario: Any
-    history: list[dict[str, str]]
-    emotion: float
-    turn: int
 
 
 @dataclass
@@ -232,301 +108,6 @@ class SimulatorTurn:
     error: str | None = None
     history_dropped: int = 0
 
-
-# ---------------------------------------------------------------------------
-# prompts
-
-
-@lru_cache(maxsize=None)
-def prompt_text(name: str) -> str:
-    """The text of ``rlver_lib/prompts/<name>`` (UTF-8). Raises ``FileNotFoundError``."""
-    return resources.files("rlver_lib").joinpath("prompts", name).read_text(encoding="utf-8")
-
-
-@lru_cache(maxsize=None)
-def _vocab(language: str) -> dict[str, Any]:
-    return json.loads(prompt_text(f"sim_vocab_{language}.json"))
-
-
-def scenario_language(scenario: Any) -> str:
-    """The scenario's ``language`` (default ``"en"``); ``ValueError`` unless it is ``en`` or ``zh``,
-    the languages the prompts are written in."""
-    language = getattr(scenario, "language", "en")
-    if language not in ("en", "zh"):
-        raise ValueError(f"scenario {getattr(scenario, 'id', '?')}: unsupported language {language!r}")
-    return language
-
-
-def _render(value: Any) -> str:
-    if hasattr(value, "model_dump"):
-        value = value.model_dump(exclude_none=True)
-    if isinstance(value, dict):
-        return "\n".join(f"- {k}: {_render(v)}" for k, v in value.items() if v not in (None, ""))
-    if isinstance(value, (list, tuple)):
-        return ", ".join(_render(v) for v in value)
-    return str(value)
-
-
-def _fill(name: str, **values: Any) -> str:
-    return Template(prompt_text(name)).substitute({k: _render(v) for k, v in values.items()}).strip()
-
-
-def _system_prompt(scenario: Any) -> str:
-    """The static part of every simulator prompt: persona, situation, personality,
-    hidden intention. It never changes within a dialogue (no score, no mood), so a
-    server's prompt cache reuses it, and the transcript after it, from call to call."""
-    language = scenario_language(scenario)
-    personality = getattr(scenario, "personality", "")
-    return _fill(
-        f"sim_system_{language}.txt",
-        persona=scenario.persona,
-        situation=getattr(scenario, "situation_text", None) or scenario.situation,
-        personality=personality,
-        personality_text=_vocab(language)["personalities"].get(personality, ""),
-        intention=scenario.intention_text,
-    )
-
-
-def render_transcript(history: Sequence[dict[str, str]], language: str) -> str:
-    """The visible conversation as ``Speaker: text`` lines, from the user's side
-    (a ``note`` message, which :func:`fit_history` inserts, is shown as it is)."""
-    vocab = _vocab(language)
-    lines = []
-    for message in history:
-        if message["role"] == "note":
-            lines.append(message["content"])
-            continue
-        text = message["content"].strip() or vocab["empty_reply"]
-        lines.append(f"{vocab['speakers'][message['role']]}: {text}")
-    return "\n".join(lines)
-
-
-def shorten_history(history: Sequence[dict[str, str]], dropped: int, language: str) -> list[dict[str, str]]:
-    """``history`` with ``dropped`` messages after the first one left out and replaced by a
-    note saying how many: the opening message (the user's situation) and the latest
-    exchanges stay. ``dropped`` 0 returns a copy; ``ValueError`` when it would reach the
-    reply being appraised (the last message)."""
-    if dropped == 0:
-        return list(history)
-    if not 0 < dropped <= len(history) - 2:
-        raise ValueError(f"cannot leave out {dropped} of {len(history)} messages")
-    note = Template(_vocab(language)["omitted"]).substitute(n=dropped)
-    return [history[0], {"role": "note", "content": note}, *history[1 + dropped:]]
-
-
-def _exchange(user: str, scenario: Any) -> Conversation:
-    return [{"role": "system", "content": _system_prompt(scenario)}, {"role": "user", "content": user}]
-
-
-def appraise_messages(request: SimulatorRequest, difficulty: Difficulty, mode: str = "first_person") -> Conversation:
-    """Chat messages of a sampled appraise step (``mode`` ``sage`` or ``first_person``).
-
-    Layout for prefix reuse: the static system prompt, then the transcript, then the
-    per-call instruction with the current score, so this turn's prompt up to the end
-    of the transcript is a prefix of the next turn's and of this turn's reply call.
-    """
-    language = scenario_language(request.scenario)
-    mood = mood_for(request.emotion)
-    variant = "_sage" if mode == "sage" else ""
-    user = _fill(
-        f"sim_appraise{variant}_{language}.txt",
-        transcript=render_transcript(request.history, language),
-        emotion=_shown(request.emotion),
-        mood=mood,
-        mood_meaning=_vocab(language)["moods"][mood]["meaning"],
-        guidance=prompt_text(f"sim_difficulty_{difficulty}{variant}_{language}.txt").strip(),
-    )
-    return _exchange(user, request.scenario)
-
-
-def _shown(emotion: float) -> str:
-    """An emotion as a prompt shows it: a whole number."""
-    return str(int(round(emotion)))
-
-
-@dataclass(frozen=True)
-class ChecklistQuestion:
-    """One yes/no question of the expected-value appraisal: ``key`` (``on_situation``,
-    ``understood``, ``intention`` or ``guard``), ``text`` in the scenario's language, and
-    ``guard`` (True for the natural-language check)."""
-
-    key: str
-    text: str
-    guard: bool = False
-
-
-def checklist(scenario: Any, keys: Sequence[str] = ("on_situation", "understood", "intention")
-              ) -> list[ChecklistQuestion]:
-    """The questions asked about every reply in this scenario: the content questions named
-    by ``keys`` (``on_situation``, ``understood``, ``intention``: the one tied to its
-    hidden intention), in that order, then the natural-language guard
-    (``rlver_lib/prompts/sim_checklist_<language>.json``). Raises ``KeyError`` for an
-    unknown key or a ``hidden_intention`` without a question."""
-    items = _checklist(scenario_language(scenario))
-    texts = {**items["content"], "intention": items["intention"][scenario.hidden_intention]}
-    content = [ChecklistQuestion(key, texts[key]) for key in keys]
-    return [*content, ChecklistQuestion("guard", items["guard"], guard=True)]
-
-
-@lru_cache(maxsize=None)
-def _checklist(language: str) -> dict[str, Any]:
-    return json.loads(prompt_text(f"sim_checklist_{language}.json"))
-
-
-def checklist_messages(request: SimulatorRequest, question: ChecklistQuestion,
-                       order: str = "yes_no") -> Conversation:
-    """Chat messages asking one checklist question about the request's latest reply:
-    the system prompt, the transcript, the question and the answer instruction (the two
-    answers named in ``order``, ``yes_no`` or ``no_yes``). The transcript comes first, so
-    the questions of one turn share their prompt up to it (and with the reply call)."""
-    language = scenario_language(request.scenario)
-    items = _checklist(language)
-    transcript = render_transcript(request.history, language)
-    user = (f"{_vocab(language)['transcript_intro']}\n{transcript}\n\n"
-            f"{items['header']}\n{question.text}\n{items['answer'][order]}")
-    return _exchange(user, request.scenario)
-
-
-def appraisal_notes(appraisal: dict[str, Any], language: str) -> str:
-    """The private appraisal as the reply step reads it: the sampled text fields, or each
-    checklist question with its probability of "yes"."""
-    vocab = _vocab(language)
-    if "checklist" in appraisal:
-        answers = vocab["answers"]
-        return "\n".join(f"- {q['question']} {answers['yes'] if q['p_yes'] >= 0.5 else answers['no']} "
-                         f"({q['p_yes']:.2f})" for q in appraisal["checklist"])
-    return "\n".join(f"- {label}: {appraisal[name]}" for name, label in vocab["appraisal_notes"].items())
-
-
-def reply_messages(request: SimulatorRequest, appraisal: dict[str, Any], emotion: float) -> Conversation:
-    """Chat messages of the reply step, given the appraisal and the updated emotion
-    (same layout as :func:`appraise_messages`; the output fields named are those of
-    :func:`reply_schema`, without ``reasoning`` after a checklist appraisal)."""
-    language = scenario_language(request.scenario)
-    mood = mood_for(emotion)
-    vocab = _vocab(language)
-    user = _fill(
-        f"sim_reply_{language}.txt",
-        transcript=render_transcript(request.history, language),
-        appraisal_notes=appraisal_notes(appraisal, language),
-        emotion=_shown(emotion),
-        mood=mood,
-        mood_meaning=vocab["moods"][mood]["meaning"],
-        mood_instruction=vocab["moods"][mood]["instruction"],
-        personality_rule=vocab["personality_rules"].get(
-            getattr(request.scenario, "personality", ""), vocab["personality_rule_default"]),
-        reply_fields=vocab["reply_fields"]["plain" if "checklist" in appraisal else "with_reasoning"],
-    )
-    return _exchange(user, request.scenario)
-
-
-def opening_messages(scenario: Any) -> Conversation:
-    """Chat messages asking the user for a first message (no opening line given); the
-    start emotion does not enter them."""
-    return [
-        {"role": "system", "content": _system_prompt(scenario)},
-        {"role": "user", "content": _fill(f"sim_opening_{scenario_language(scenario)}.txt")},
-    ]
-
-
-def prompt_files(sim_cfg: Any) -> list[str]:
-    """The prompt files (names in ``rlver_lib/prompts``) a simulator of this config reads,
-    sorted: the appraise text and rubric of its sampled mode
-    (``sim_appraise[_sage]_<lang>.txt``, ``sim_difficulty_<difficulty>[_sage]_<lang>.txt``),
-    or the checklist of the ``expected`` mode (``sim_checklist_<lang>.json``), and every
-    other ``sim_*`` file (system, vocabulary, reply, opening, and any added later), in
-    both languages; no other mode's or difficulty's texts. A judge's identity
-    fingerprints them (:func:`rlver_lib.evaluation.judge.judge_description`)."""
-    mode = getattr(sim_cfg, "appraisal", "first_person")
-    variant = "_sage" if mode == "sage" else ""
-    own = {"appraise": rf"sim_appraise{variant}_[a-z]+\.txt",
-           "difficulty": rf"sim_difficulty_{re.escape(sim_cfg.difficulty)}{variant}_[a-z]+\.txt",
-           "checklist": r"sim_checklist_[a-z]+\.json"}
-    wanted = ("checklist",) if mode == "expected" else ("appraise", "difficulty")
-    names = sorted(e.name for e in resources.files("rlver_lib").joinpath("prompts").iterdir()
-                   if e.name.startswith("sim_"))
-    kept = []
-    for name in names:
-        kind = next((k for k in own if name.startswith(f"sim_{k}_")), None)
-        if kind is None or (kind in wanted and re.fullmatch(own[kind], name)):
-            kept.append(name)
-    return kept
-
-
-def structured_schemas(sim_cfg: Any) -> dict[str, dict[str, Any]]:
-    """The JSON schemas a simulator of this config sends, by call: ``appraise`` (sampled
-    modes only), ``reply`` (no ``reasoning`` after an ``expected`` appraisal), ``opening``."""
-    mode = getattr(sim_cfg, "appraisal", "first_person")
-    schemas = {"reply": reply_schema(sim_cfg.appraisal_chars, sim_cfg.message_chars, reasoning=mode != "expected"),
-               "opening": OPENING_SCHEMA}
-    if mode != "expected":
-        schemas["appraise"] = appraisal_schema(sim_cfg.appraisal_chars, mode)
-    return schemas
-
-
-# ---------------------------------------------------------------------------
-# parsing structured outputs
-
-_FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        # strict=False: llama.cpp grammars let raw newlines into strings
-        obj = json.loads(_FENCE.sub("", text.strip()), strict=False)
-    except json.JSONDecodeError as err:
-        raise SimulatorError(f"invalid JSON: {err.msg} at column {err.colno}") from None
-    if not isinstance(obj, dict):
-        raise SimulatorError(f"expected a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def _string_field(obj: dict[str, Any], name: str, *, allow_empty: bool = True) -> str:
-    value = obj.get(name)
-    if not isinstance(value, str):
-        raise SimulatorError(f"field {name!r} missing or not a string")
-    if not allow_empty and not value.strip():
-        raise SimulatorError(f"field {name!r} is empty")
-    return value.strip()
-
-
-def parse_appraisal(text: str, scale: Sequence[int] = SCALES["first_person"]) -> dict[str, Any]:
-    """Parse a sampled appraise output: the three text fields and an integer ``change``
-    that is one of ``scale`` (default: any integer in [-10, 10]).
-
-    Raises :class:`SimulatorError` on invalid JSON, a missing or mistyped field, or a
-    change off the scale (unusable, never rounded or clamped).
-    """
-    obj = _json_object(text)
-    appraisal: dict[str, Any] = {name: _string_field(obj, name) for name in APPRAISAL_FIELDS}
-    change = obj.get("change")
-    if isinstance(change, bool) or not isinstance(change, int):
-        raise SimulatorError(f"field 'change' missing or not an integer: {change!r}")
-    if change not in scale:
-        raise SimulatorError(f"field 'change' not on the scale {list(scale)}: {change}")
-    appraisal["change"] = change
-    return appraisal
-
-
-def parse_reply(text: str, *, reasoning: bool = True) -> dict[str, Any]:
-    """Parse a reply output: ``reasoning`` (private; only when ``reasoning``), ``message``
-    (non-empty), ``end_conversation`` (bool).
-
-    Raises :class:`SimulatorError`; a missing ``message`` is never replaced by other text.
-    """
-    obj = _json_object(text)
-    end = obj.get("end_conversation")
-    if not isinstance(end, bool):
-        raise SimulatorError(f"field 'end_conversation' missing or not a boolean: {end!r}")
-    reply = {"message": _string_field(obj, "message", allow_empty=False), "end_conversation": end}
-    if reasoning:
-        reply["reasoning"] = _string_field(obj, "reasoning")
-    return reply
-
-
-def parse_opening(text: str) -> str:
-    """Parse an opening output; returns the non-empty ``message``. Raises :class:`SimulatorError`."""
-    return _string_field(_json_object(text), "message", allow_empty=False)
 
 
 def _turn_index(requests: Sequence[SimulatorRequest]) -> int:
@@ -806,7 +387,7 @@ def fit_history(request: SimulatorRequest, render: Callable[[SimulatorRequest], 
     """The request with its history shortened until ``render(request)`` is at most ``budget``
     tokens (``count``: the backend's ``prompt_tokens``), and how many messages were left out.
 
-    The rule (:func:`shorten_history`): keep the first message (the user's opening) and
+    The rule (:func:`~rlver_lib.user_prompts.shorten_history`): keep the first message (the user's opening) and
     the reply being appraised; leave out the oldest messages after the opening, two at a
     time (one exchange), until the prompt fits. Unchanged when ``count`` returns ``None``
     (the server cannot count). Raises :class:`ContextOverflow` when even the opening and

@@ -10,25 +10,23 @@ import pytest
 from reference_data import reference_file
 from scipy.stats import spearmanr
 
+from rlver_lib.appraisal import mood_for
 from rlver_lib.cli import main
 from rlver_lib.evaluation.agreement import (
     ReplayTurn,
-    agreement_metrics,
-    bucket,
     format_report,
     judge_agreement,
     lane_order,
     load_replay,
-    partial_spearman,
-    permutation_test_partial,
     replay_turns,
-    reply_blind_predictors,
     retest_noise,
     sample_dialogues,
     sample_turns,
 )
-from rlver_lib.simulator import SimulatorTurn, mood_for
-from rlver_lib.stats import cluster_bootstrap
+from rlver_lib.evaluation.agreement_stats import agreement_metrics, bucket, permutation_test_partial
+from rlver_lib.evaluation.reply_blind import reply_blind_predictors
+from rlver_lib.simulator import SimulatorTurn
+from rlver_lib.stats import cluster_bootstrap, partial_spearman
 
 SCENE = "## 剧本背景故事\n王小云和朋友吵架了。\n####隐藏主题:\n***你希望对方用心倾听你的情绪宣泄"
 

@@ -124,7 +124,7 @@ def test_judge_description_expected_settings_only_for_the_expected_appraisal(mon
 
 
 def test_judge_prompt_fingerprint_covers_the_files_of_its_mode_and_difficulty(monkeypatch):
-    from rlver_lib import simulator
+    from rlver_lib import user_prompts
     from rlver_lib.evaluation.judge import judge_description
 
     monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
@@ -149,11 +149,11 @@ def test_judge_prompt_fingerprint_covers_the_files_of_its_mode_and_difficulty(mo
     assert "sim_difficulty_hard_sage_en.txt" in hard["prompt_files"]
     assert hard["prompts_sha256"] != sage["prompts_sha256"]
     # the simulator's own list is what is recorded
-    assert sage["prompt_files"] == simulator.prompt_files(_judge_ns(appraisal="sage"))
+    assert sage["prompt_files"] == user_prompts.prompt_files(_judge_ns(appraisal="sage"))
 
 
 def test_judge_schema_fingerprint_is_the_schemas_built_in_code(monkeypatch):
-    from rlver_lib import simulator
+    from rlver_lib import appraisal
     from rlver_lib.evaluation.judge import judge_description
 
     monkeypatch.setattr("rlver_lib.evaluation.judge._SERVED", {})
@@ -161,14 +161,14 @@ def test_judge_schema_fingerprint_is_the_schemas_built_in_code(monkeypatch):
     assert (judge_description(_judge_ns(message_chars=300), seed=0)["schemas_sha256"]
             != judge_description(_judge_ns(message_chars=301), seed=0)["schemas_sha256"])
     first = judge_description(_judge_ns(appraisal="first_person", appraisal_chars=50), seed=0)
-    built = {"appraise": simulator.appraisal_schema(50), "reply": simulator.reply_schema(50, 900),
-             "opening": simulator.OPENING_SCHEMA}
+    built = {"appraise": appraisal.appraisal_schema(50), "reply": appraisal.reply_schema(50, 900),
+             "opening": appraisal.OPENING_SCHEMA}
     text = json.dumps(built, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     assert first["schemas_sha256"] == _hashlib.sha256(text.encode("utf-8")).hexdigest()
     sage = judge_description(_judge_ns(appraisal="sage", appraisal_chars=50), seed=0)
     assert sage["schemas_sha256"] != first["schemas_sha256"]  # the same caps, SAGE's five-value scale
     expected = judge_description(_judge_ns(appraisal="expected", appraisal_chars=50), seed=0)
-    built = {"reply": simulator.reply_schema(50, 900, reasoning=False), "opening": simulator.OPENING_SCHEMA}
+    built = {"reply": appraisal.reply_schema(50, 900, reasoning=False), "opening": appraisal.OPENING_SCHEMA}
     text = json.dumps(built, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     assert expected["schemas_sha256"] == _hashlib.sha256(text.encode("utf-8")).hexdigest()
 

@@ -257,9 +257,9 @@ def test_paper_simulator_section_drives_a_served_model(openai_server, monkeypatc
     gets schema-valid structured replies for a batch in flight."""
     import jsonschema
 
+    from rlver_lib.appraisal import REPLY_SCHEMA
     from rlver_lib.models import make_simulator_backend
     from rlver_lib.openai_backend import OpenAIBackend
-    from rlver_lib.simulator import REPLY_SCHEMA
 
     cfg = load_config(ROOT / "params" / "paper-grpo-nothink-moderate.yaml",
                       [f"simulator.base_url={openai_server}/v1", "simulator.model=smollm2",

@@ -9,20 +9,12 @@ import json
 
 import pytest
 
+from rlver_lib.appraisal import SimulatorError, apply_change, mood_for, parse_appraisal, parse_reply
 from rlver_lib.backends import BackendError, Generation, derive_seed
 from rlver_lib.config import SimulatorConfig
 from rlver_lib.scenarios import Scenario
-from rlver_lib.simulator import (
-    RuleSimulator,
-    SimulatorError,
-    SimulatorRequest,
-    UserSimulator,
-    apply_change,
-    default_change_fn,
-    mood_for,
-    parse_appraisal,
-    parse_reply,
-)
+from rlver_lib.simulator import RuleSimulator, UserSimulator, default_change_fn
+from rlver_lib.user_prompts import SimulatorRequest
 
 
 def sampled(**fields) -> SimulatorConfig:
@@ -292,7 +284,7 @@ def _rendered(messages) -> str:
 
 @pytest.mark.parametrize("language", ["en", "zh"])
 def test_prompt_prefix_is_stable_across_calls_and_turns(language):
-    from rlver_lib.simulator import appraise_messages, reply_messages
+    from rlver_lib.user_prompts import appraise_messages, reply_messages
 
     opening = {"role": "user", "content": "I had a rough day."}
     turn0 = SimulatorRequest("s1#0", scenario("s1", language), [opening, {"role": "assistant", "content": "Oh no."}],
@@ -315,7 +307,7 @@ def test_prompt_prefix_is_stable_across_calls_and_turns(language):
 @pytest.mark.parametrize("language", ["en", "zh"])
 @pytest.mark.parametrize("difficulty", ["easy", "moderate", "hard"])
 def test_every_difficulty_penalises_non_natural_language(language, difficulty):
-    from rlver_lib.simulator import appraise_messages
+    from rlver_lib.user_prompts import appraise_messages
 
     text = appraise_messages(request(language=language), difficulty)[1]["content"]
     assert ("not natural language" in text) if language == "en" else ("不是自然语言" in text)
@@ -323,7 +315,7 @@ def test_every_difficulty_penalises_non_natural_language(language, difficulty):
 
 
 def test_reply_step_rules_follow_personality():
-    from rlver_lib.simulator import reply_messages
+    from rlver_lib.user_prompts import reply_messages
 
     appraisal = {"reply_meaning": "m", "intention_fit": "f", "inner_reaction": "r"}
     passive = SimulatorRequest("p#0", scenario("p").model_copy(update={"personality": "passive"}),
@@ -336,7 +328,7 @@ def test_reply_step_rules_follow_personality():
 
 
 def test_field_caps_are_settings():
-    from rlver_lib.simulator import appraisal_schema
+    from rlver_lib.appraisal import appraisal_schema
 
     sent = []
 
@@ -359,16 +351,11 @@ def test_field_caps_are_settings():
 
 import math  # noqa: E402
 
+from rlver_lib.appraisal import GUARD_FLOOR, expected_change  # noqa: E402
 from rlver_lib.backends import BackendError as _BackendError  # noqa: E402
 from rlver_lib.backends import UnusableOutput, answer_probability  # noqa: E402
-from rlver_lib.simulator import (  # noqa: E402
-    GUARD_FLOOR,
-    checklist,
-    checklist_messages,
-    expected_change,
-    fit_history,
-    shorten_history,
-)
+from rlver_lib.simulator import fit_history  # noqa: E402
+from rlver_lib.user_prompts import checklist, checklist_messages, shorten_history  # noqa: E402
 
 EXPECTED = SimulatorConfig(appraisal="expected", expected_center=0.6, expected_scale=50.0,
                            expected_answer_order="both", expected_questions=["on_situation", "understood", "intention"])
@@ -556,7 +543,7 @@ def test_fit_history_leaves_out_oldest_exchanges_and_counts_them():
 
 
 def test_checklist_questions_share_the_transcript_prefix_with_the_reply_call():
-    from rlver_lib.simulator import reply_messages
+    from rlver_lib.user_prompts import reply_messages
 
     req = request()
     first, last = (checklist_messages(req, q) for q in (checklist(req.scenario)[0], checklist(req.scenario)[-1]))

@@ -18,8 +18,8 @@ from rlver_lib.backends import ChatBackend, derive_seed
 from rlver_lib.config import SamplingParams
 from rlver_lib.records import policy_turns, record_transcript
 from rlver_lib.rollout import parse_think, policy_messages
-from rlver_lib.simulator import SimulatorRequest
 from rlver_lib.stats import cluster_bootstrap, cluster_bootstrap_ci, paired_difference
+from rlver_lib.user_prompts import SimulatorRequest
 
 
 def reply_changes(baseline: Iterable[dict[str, Any]], trained: Iterable[dict[str, Any]], *,

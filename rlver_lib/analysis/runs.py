@@ -15,11 +15,11 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from rlver_lib.analysis.hacking import reply_changes
+from rlver_lib.appraisal import FAILURE_EMOTION, SUCCESS_EMOTION
 from rlver_lib.config import PAPER_AXES, RunConfig, get_dotted, load_run_config
 from rlver_lib.files import RunFolder, iter_jsonl
 from rlver_lib.plots import plot_emotion_trajectories, plot_paired_scenarios
 from rlver_lib.records import dialogue_view, load_records, policy_turns, scored_records
-from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION
 from rlver_lib.stats import cluster_bootstrap_ci
 
 # --------------------------------------------------------------------------- tables

@@ -34,13 +34,14 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from rlver_lib.appraisal import apply_change
 from rlver_lib.backends import close_backend
 from rlver_lib.config import build_config, load_config
 from rlver_lib.evaluation.judge import build_judge, judge_description, judge_seed
 from rlver_lib.files import JsonlError, atomic_write_json, iter_jsonl
 from rlver_lib.scenarios import ScenarioFileError, load_scenarios
-from rlver_lib.simulator import SimulatorRequest, apply_change
 from rlver_lib.stats import MIN_N, cluster_bootstrap
+from rlver_lib.user_prompts import SimulatorRequest
 
 #: Buckets of a real-valued emotion change: (label, low, high, low closed, high closed).
 #: Half-open where they meet, so every real number falls in exactly one:

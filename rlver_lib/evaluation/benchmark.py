@@ -18,12 +18,12 @@ import numpy as np
 import pandas as pd
 
 from rlver_lib import character
+from rlver_lib.appraisal import FAILURE_EMOTION, SUCCESS_EMOTION
 from rlver_lib.backends import ChatBackend, derive_seed
 from rlver_lib.config import SamplingParams
 from rlver_lib.files import atomic_write_json, atomic_write_text, write_jsonl
 from rlver_lib.records import DialogueView, dialogue_view
 from rlver_lib.rollout import parse_think, policy_messages, run_rollouts
-from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION
 from rlver_lib.stats import Estimate, cluster_bootstrap_ci
 
 BREAKDOWN_FACTORS = ("hidden_intention", "personality", "language")

@@ -14,8 +14,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
+from rlver_lib.appraisal import DIFFICULTY_SHIFT, structured_schemas
 from rlver_lib.models import build_simulator
-from rlver_lib.simulator import DIFFICULTY_SHIFT, UserSimulator, prompt_files, structured_schemas
+from rlver_lib.simulator import UserSimulator
+from rlver_lib.user_prompts import prompt_files
 
 
 class JudgeMismatchError(ValueError):

@@ -13,10 +13,10 @@ from typing import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from rlver_lib.appraisal import FAILURE_EMOTION, SUCCESS_EMOTION
 from rlver_lib.evaluation.benchmark import transcript_protocol
 from rlver_lib.files import JsonlError
 from rlver_lib.records import RecordError, dialogue_view, load_records
-from rlver_lib.simulator import FAILURE_EMOTION, SUCCESS_EMOTION
 
 # --------------------------------------------------------------------------- SAGE scoring
 
