@@ -163,9 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     agree.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="dotted config override, e.g. evaluation.judge.backend=rule (repeatable)")
     agree.add_argument("--sample", type=int, default=None, metavar="N", help="replay N turns drawn at random")
-    agree.add_argument("--dialogues", type=int, default=None, metavar="D",
-                       help="replay every turn of D dialogues drawn at random (far cheaper per turn for a "
-                       "local judge: each dialogue's long profile is read once)")
+    agree.add_argument("--dialogues", type=int, default=64, metavar="D",
+                       help="replay every turn of at least D dialogues, drawn by profile with every file's "
+                       "dialogue of each (default 64; 0 = all); the report says how many were drawn")
     agree.add_argument("--seed", type=int, default=0, metavar="S",
                        help="seed of the turn sample, the bootstrap and the permutation test")
     agree.add_argument("--permutations", type=int, default=2000, metavar="B",

@@ -6,8 +6,10 @@ the training curves: :func:`bootstrap_ci` (independent observations),
 dialogues of one scenario, turns of one dialogue), :func:`sign_flip_test` (paired
 permutation test: exact, over all 2**n sign patterns, only while
 ``2**n <= n_resamples + 1``, so up to n = 13 with the default 9,999 resamples; Monte
-Carlo above, see :func:`sign_flip_method`), :func:`sign_test` and
-:func:`paired_difference` (both tests and the interval of the mean difference).
+Carlo above, see :func:`sign_flip_method`), :func:`sign_test`,
+:func:`paired_difference` (both tests and the interval of the mean difference),
+:func:`partial_spearman` (rank partial correlation) and :func:`format_p` (a p-value in
+words, a Monte Carlo floor as a bound).
 Training curves (per-step intervals clustered by scenario) are
 :func:`rlver_lib.analysis.runs.curve_with_ci`, built on :func:`cluster_bootstrap_ci`.
 
@@ -19,6 +21,7 @@ an interval, a p-value or a correlation.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
@@ -289,3 +292,65 @@ def paired_difference(
         n_zero=int((d == 0).sum()), p_method=sign_flip_method(int(d.size), n_resamples),
     )
 
+
+def residuals_on(v: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """Residuals of ``v`` (shape (..., n)) after least squares on ``z`` (shape (n,)) with an
+    intercept; centred ``v`` when ``z`` is constant."""
+    vc = v - v.mean(axis=-1, keepdims=True)
+    zc = z - z.mean()
+    zz = float(zc @ zc)
+    if zz == 0.0:
+        return vc
+    return vc - np.multiply.outer((vc @ zc) / zz, zc)
+
+
+def row_corr(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Pearson correlation of each row of ``a`` (shape (..., n)) with ``b`` (shape (n,));
+    NaN where a row or ``b`` has no variance (relative to rounding)."""
+    a = a - a.mean(axis=-1, keepdims=True)
+    b = b - b.mean()
+    na, nb = np.sqrt((a * a).sum(axis=-1)), float(np.sqrt(b @ b))
+    scale = max(float(np.max(np.abs(a), initial=0.0)), float(np.max(np.abs(b), initial=0.0)), 1.0)
+    tol = 1e-9 * scale * np.sqrt(b.size)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = (a @ b) / (na * nb)
+    return np.where((na > tol) & (nb > tol), np.clip(r, -1.0, 1.0), np.nan)
+
+
+def partial_spearman(x: Sequence[float], y: Sequence[float], z: Sequence[float]) -> float:
+    """Spearman partial correlation of ``x`` and ``y`` given ``z`` (each shape (n,)).
+
+    All three are ranked (average ranks for ties, as :func:`scipy.stats.spearmanr`), the
+    ranked ``z`` is regressed out of the ranked ``x`` and ``y`` (least squares with an
+    intercept), and the result is the Pearson correlation of the two residuals, in
+    [-1, 1]: equal to ``(r_xy - r_xz r_yz) / sqrt((1 - r_xz^2) (1 - r_yz^2))`` on Spearman
+    correlations.  NaN when fewer than 3 values or a residual has no variance (for
+    example ``x`` constant, or a monotone function of ``z``).  Raises ``ValueError`` on
+    mismatched lengths.
+    """
+    from scipy.stats import rankdata
+
+    x, y, z = (np.asarray(v, dtype=float) for v in (x, y, z))
+    if x.ndim != 1 or x.shape != y.shape or x.shape != z.shape:
+        raise ValueError("partial_spearman needs three 1-D sequences of the same length")
+    if x.size < 3:
+        return float("nan")
+    rz = rankdata(z)
+    return float(row_corr(residuals_on(rankdata(x), rz), residuals_on(rankdata(y), rz)))
+
+
+def format_p(p: float | None, method: str = "") -> str:
+    """A p-value in words: ``"p = 0.0312"`` (3 significant digits), or, where a Monte
+    Carlo p-value sits at its floor ``1 / (B + 1)`` (no resample as extreme as the
+    observed one; ``method`` as :func:`sign_flip_method` words it, ``"Monte Carlo, B
+    resamples"``), ``"p < 1e-4"`` for B = 9,999: the floor is a bound, not an estimate.
+    ``"p = n/a"`` for ``None`` or NaN."""
+    if p is None or not np.isfinite(p):
+        return "p = n/a"
+    found = re.match(r"Monte Carlo, (\d+) resamples", method)
+    if found:
+        floor = 1.0 / (int(found.group(1)) + 1)
+        if p <= floor * (1 + 1e-9):
+            mantissa, exponent = f"{floor:.0e}".split("e")
+            return f"p < {mantissa}e{int(exponent)}"
+    return f"p = {p:.3g}"

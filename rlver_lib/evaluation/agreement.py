@@ -10,13 +10,16 @@ mean absolute error, the shares of negative changes, a confusion table of bucket
 changes (:data:`BUCKETS`), with bootstrap intervals that resample dialogues
 (:func:`rlver_lib.stats.cluster_bootstrap`).
 
-The references are reply-blind predictors on the same turns (:data:`BASELINES`):
-SAGE's judgements run in streaks, so the emotion before a turn already predicts its
-change, and a judge that is handed the emotion and the history can agree with SAGE
-without reading the reply.  Evidence that it reads the reply: the partial Spearman
-correlation given the emotion before (:func:`partial_spearman`) and its within-dialogue
-permutation test (:func:`permutation_test_partial`).  :func:`retest_noise` measures how
-much a dialogue's final emotion moves when the judge's seed changes.
+The references are reply-blind predictors on the same turns
+(:mod:`rlver_lib.evaluation.reply_blind`: fixed rules and a gradient-boosted model
+cross-fitted by file): SAGE's judgements run in streaks, so the emotion before and the
+history already predict a turn's change, and a judge that is handed them can agree with
+SAGE without reading the reply.  Evidence that it reads the reply
+(:mod:`rlver_lib.evaluation.agreement_stats`): the partial Spearman given the emotion
+before and given the boosted prediction, the within-dialogue permutation test, and the
+first-turn test (within profile, across the models' replies to one opening).
+:func:`retest_noise` measures how much a dialogue's final emotion moves when the
+judge's seed changes.
 
 Nothing like this exists in SAGE or RLVER; docs/ARCHITECTURE.md ("Code map").
 """
@@ -37,34 +40,29 @@ from tqdm.auto import tqdm
 from rlver_lib.appraisal import apply_change
 from rlver_lib.backends import close_backend
 from rlver_lib.config import build_config, load_config
+from rlver_lib.evaluation.agreement_stats import (
+    N_PERMUTATIONS,
+    agreement_metrics,
+    baseline_metrics,
+    first_turn_block,
+    fold_blocks,
+    partial_block,
+    permutation_test_partial,
+)
 from rlver_lib.evaluation.judge import build_judge, judge_description, judge_seed
+from rlver_lib.evaluation.reply_blind import (
+    BASELINES,
+    crossfit_reply_blind,
+    file_of,
+    reply_blind_predictors,
+)
 from rlver_lib.files import JsonlError, atomic_write_json, iter_jsonl
 from rlver_lib.scenarios import ScenarioFileError, load_scenarios
-from rlver_lib.stats import MIN_N, cluster_bootstrap
+from rlver_lib.stats import MIN_N, format_p
 from rlver_lib.user_prompts import SimulatorRequest
 
-#: Buckets of a real-valued emotion change: (label, low, high, low closed, high closed).
-#: Half-open where they meet, so every real number falls in exactly one:
-#: (-inf, -4.5], (-4.5, -0.5), [-0.5, 0.5], (0.5, 4.5), [4.5, inf) (the infinite ends
-#: included too).  On SAGE's integer scale: <= -5, -4..-1, 0, 1..4, >= 5; an expected
-#: change of -4.5 counts as a -5, one of -0.5 as a 0.
-BUCKETS: tuple[tuple[str, float, float, bool, bool], ...] = (
-    ("(-inf,-4.5]", -np.inf, -4.5, True, True), ("(-4.5,-0.5)", -4.5, -0.5, False, False),
-    ("[-0.5,0.5]", -0.5, 0.5, True, True), ("(0.5,4.5)", 0.5, 4.5, False, False),
-    ("[4.5,inf)", 4.5, np.inf, True, True),
-)
-
-#: Reply-blind predictors of a turn's change (:func:`reply_blind_predictors`):
-#: name -> (description, the metrics that mean something for it).
-BASELINES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "emotion_before": ("the emotion before (a score)", ("spearman",)),
-    "threshold_rule": ("+5 if emotion before >= 40, else -5", ("spearman", "sign_agreement", "mae")),
-    "reply_length": ("shorter reply scores higher", ("spearman",)),
-    "constant": ("constant +5", ("sign_agreement", "mae")),
-}
-
-#: Default number of within-dialogue permutations of :func:`permutation_test_partial`.
-N_PERMUTATIONS = 2000
+#: Default number of dialogues ``rlver judge-agreement`` draws (:func:`sample_dialogues`).
+DEFAULT_DIALOGUES = 64
 
 
 @dataclass(frozen=True)
@@ -163,18 +161,29 @@ def sample_turns(turns: Sequence[ReplayTurn], n: int | None, seed: int) -> list[
 
 
 def sample_dialogues(turns: Sequence[ReplayTurn], n: int | None, seed: int) -> list[ReplayTurn]:
-    """Every turn of ``n`` dialogues drawn without replacement
-    (``numpy.random.default_rng(seed)``), kept in file order; all turns when ``n`` is
-    ``None`` or not smaller than the number of dialogues.  A clustered sample: a judge
-    re-reads a dialogue's long profile once per slot, so whole dialogues cost far less
-    per turn than turns scattered over many dialogues.  Raises ``ValueError`` for n < 1.
+    """Every turn of at least ``n`` dialogues, drawn by profile: SAGE profiles (record
+    ids) in a random order (``numpy.random.default_rng(seed).permutation``) are taken
+    with every file's dialogue of each, until ``n`` dialogues are reached; kept in file
+    order.  All turns when ``n`` is ``None`` or not smaller than the number of
+    dialogues.  Whole dialogues: a judge re-reads a dialogue's long profile once per
+    slot, so they cost far less per turn than scattered turns; whole profiles: the
+    first-turn test compares the models' replies to one opening.  Raises
+    ``ValueError`` for n < 1.
     """
     if n is not None and n < 1:
         raise ValueError(f"dialogues must be >= 1, got {n}")
     names = list(dict.fromkeys(t.dialogue for t in turns))
     if n is None or n >= len(names):
         return list(turns)
-    chosen = {names[i] for i in np.random.default_rng(seed).choice(len(names), size=n, replace=False)}
+    by_profile: dict[str, set[str]] = {}
+    for t in turns:
+        by_profile.setdefault(t.record_id, set()).add(t.dialogue)
+    profiles = list(by_profile)
+    chosen: set[str] = set()
+    for i in np.random.default_rng(seed).permutation(len(profiles)):
+        if len(chosen) >= n:
+            break
+        chosen |= by_profile[profiles[i]]
     return [t for t in turns if t.dialogue in chosen]
 
 
@@ -277,231 +286,6 @@ def appraise_turns(simulator: Any, turns: Sequence[ReplayTurn], scenarios: dict[
     return changes
 
 
-def bucket(change: float) -> str:
-    """The :data:`BUCKETS` label of one real-valued change; ``ValueError`` for NaN."""
-    for label, low, high, low_closed, high_closed in BUCKETS:
-        above = change >= low if low_closed else change > low
-        below = change <= high if high_closed else change < high
-        if above and below:
-            return label
-    raise ValueError(f"change {change!r} falls in no bucket")
-
-
-def confusion_table(recorded: Sequence[float], ours: Sequence[float]) -> pd.DataFrame:
-    """Counts of (recorded bucket, our bucket): rows = SAGE's judge, columns = ours,
-    in :data:`BUCKETS` order."""
-    labels = [b[0] for b in BUCKETS]
-    table = pd.DataFrame(0, index=pd.Index(labels, name="recorded"), columns=pd.Index(labels, name="judge"))
-    for r, o in zip(recorded, ours):
-        table.loc[bucket(r), bucket(o)] += 1
-    return table
-
-
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    from scipy.stats import spearmanr
-
-    if x.size < 2 or np.all(x == x[0]) or np.all(y == y[0]):
-        return float("nan")
-    return float(spearmanr(x, y).statistic)
-
-
-def _pearson(x: np.ndarray, y: np.ndarray) -> float:
-    from scipy.stats import pearsonr
-
-    if x.size < 2 or np.all(x == x[0]) or np.all(y == y[0]):
-        return float("nan")
-    return float(pearsonr(x, y).statistic)
-
-
-def _sign_agreement(x: np.ndarray, y: np.ndarray) -> float:
-    return float(np.mean(np.sign(x) == np.sign(y)))
-
-
-def _mae(x: np.ndarray, y: np.ndarray) -> float:
-    return float(np.mean(np.abs(x - y)))
-
-
-METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
-    "spearman": _spearman, "pearson": _pearson, "sign_agreement": _sign_agreement, "mae": _mae,
-}
-
-
-def _finite(x: float) -> float | None:
-    return float(x) if np.isfinite(x) else None
-
-
-def _bootstrapped(r: np.ndarray, o: np.ndarray, clusters: Sequence[Any], names: Sequence[str],
-                  absent: Sequence[str] = (), **boot: Any) -> dict[str, Any]:
-    """``{name: value, name_ci: [low, high]}`` for each of ``names`` (keys of :data:`METRICS`),
-    intervals from :func:`rlver_lib.stats.cluster_bootstrap`; ``None`` for each of ``absent``."""
-    out: dict[str, Any] = {}
-    for name in names:
-        fn = METRICS[name]
-        est = cluster_bootstrap(lambda idx, fn=fn: fn(r[idx], o[idx]), r.size, clusters, **boot)
-        out[name] = _finite(est.value)
-        out[f"{name}_ci"] = [_finite(est.low), _finite(est.high)]
-    for name in absent:
-        out[name], out[f"{name}_ci"] = None, [None, None]
-    return out
-
-
-def agreement_metrics(recorded: Sequence[float], ours: Sequence[float], clusters: Sequence[Any], *,
-                      n_boot: int = 1000, confidence: float = 0.95, seed: int = 0) -> dict[str, Any]:
-    """Agreement of ``ours`` with ``recorded`` (both shape (n,), changes in emotion points,
-    integers or reals).
-
-    Returns ``n_turns``, ``n_dialogues`` (distinct ``clusters``), ``spearman``,
-    ``pearson``, ``sign_agreement`` (share of turns with the same sign, 0 counting as its
-    own sign; [0, 1]), ``mae`` (emotion points), each with ``<name>_ci`` = ``[low, high]``
-    from a bootstrap over clusters, the mean changes, ``share_negative``
-    (``{"judge", "recorded"}``: share of changes < 0) and ``confusion``
-    (:func:`confusion_table` as ``{"buckets", "rows", "columns", "counts"}``).  A
-    correlation of constant values is ``None``.  Raises ``ValueError`` on empty or
-    mismatched input.
-    """
-    r, o = np.asarray(recorded, dtype=float), np.asarray(ours, dtype=float)
-    if r.shape != o.shape or r.ndim != 1 or r.size == 0:
-        raise ValueError("agreement_metrics needs two non-empty 1-D sequences of the same length")
-    out: dict[str, Any] = {"n_turns": int(r.size), "n_dialogues": int(len(set(clusters)))}
-    out.update(_bootstrapped(r, o, clusters, list(METRICS), n_boot=n_boot, confidence=confidence, seed=seed))
-    out["mean_recorded_change"] = float(r.mean())
-    out["mean_judge_change"] = float(o.mean())
-    out["share_negative"] = {"judge": float(np.mean(o < 0)), "recorded": float(np.mean(r < 0))}
-    table = confusion_table(r, o)
-    out["confusion"] = {"buckets": list(table.index), "rows": "recorded (SAGE judge)", "columns": "judge (ours)",
-                        "counts": table.to_numpy().tolist()}
-    return out
-
-
-def reply_blind_predictors(turns: Sequence[ReplayTurn]) -> dict[str, np.ndarray]:
-    """The :data:`BASELINES` predictors of ``turns``, each shape (n,), none reading the
-    reply's content: ``emotion_before`` (0-100), ``threshold_rule`` (+5 when
-    emotion_before >= 40, else -5), ``reply_length`` (minus the reply's length in
-    characters: shorter scores higher), ``constant`` (+5)."""
-    before = np.array([t.emotion_before for t in turns], dtype=float)
-    return {"emotion_before": before,
-            "threshold_rule": np.where(before >= 40, 5.0, -5.0),
-            "reply_length": -np.array([len(t.history[-1]["content"]) for t in turns], dtype=float),
-            "constant": np.full(len(turns), 5.0)}
-
-
-def baseline_metrics(recorded: Sequence[float], turns: Sequence[ReplayTurn], clusters: Sequence[Any], *,
-                     n_boot: int = 1000, confidence: float = 0.95, seed: int = 0) -> dict[str, dict[str, Any]]:
-    """Agreement of each reply-blind predictor (:func:`reply_blind_predictors`) with
-    ``recorded`` (shape (n,), aligned with ``turns`` and ``clusters``).
-
-    Returns ``{name: {"spearman", "sign_agreement", "mae"}}`` in :data:`BASELINES` order,
-    each value with its ``<metric>_ci`` from :func:`rlver_lib.stats.cluster_bootstrap`
-    (same settings as the judge's).  Metrics a predictor has no meaning for are ``None``
-    (a score, not a change: emotion before and reply length have Spearman only; a
-    constant has no rank correlation).  Raises ``ValueError`` on mismatched lengths.
-    """
-    r = np.asarray(recorded, dtype=float)
-    if r.shape != (len(turns),) or len(clusters) != len(turns):
-        raise ValueError("baseline_metrics: recorded, turns and clusters must have the same length")
-    boot = dict(n_boot=n_boot, confidence=confidence, seed=seed)
-    predictors = reply_blind_predictors(turns)
-    out = {}
-    for name, (_, names) in BASELINES.items():
-        absent = [m for m in ("spearman", "sign_agreement", "mae") if m not in names]
-        out[name] = _bootstrapped(r, predictors[name], clusters, names, absent, **boot)
-    return out
-
-
-def _residuals(v: np.ndarray, z: np.ndarray) -> np.ndarray:
-    """Residuals of ``v`` (shape (..., n)) after least squares on ``z`` (shape (n,)) with an
-    intercept; centred ``v`` when ``z`` is constant."""
-    vc = v - v.mean(axis=-1, keepdims=True)
-    zc = z - z.mean()
-    zz = float(zc @ zc)
-    if zz == 0.0:
-        return vc
-    return vc - np.multiply.outer((vc @ zc) / zz, zc)
-
-
-def _row_corr(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Pearson correlation of each row of ``a`` (shape (..., n)) with ``b`` (shape (n,));
-    NaN where a row or ``b`` has no variance (relative to rounding)."""
-    a = a - a.mean(axis=-1, keepdims=True)
-    b = b - b.mean()
-    na, nb = np.sqrt((a * a).sum(axis=-1)), float(np.sqrt(b @ b))
-    scale = max(float(np.max(np.abs(a), initial=0.0)), float(np.max(np.abs(b), initial=0.0)), 1.0)
-    tol = 1e-9 * scale * np.sqrt(b.size)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        r = (a @ b) / (na * nb)
-    return np.where((na > tol) & (nb > tol), np.clip(r, -1.0, 1.0), np.nan)
-
-
-def partial_spearman(x: Sequence[float], y: Sequence[float], z: Sequence[float]) -> float:
-    """Spearman partial correlation of ``x`` and ``y`` given ``z`` (each shape (n,)).
-
-    All three are ranked (average ranks for ties, as :func:`scipy.stats.spearmanr`), the
-    ranked ``z`` is regressed out of the ranked ``x`` and ``y`` (least squares with an
-    intercept), and the result is the Pearson correlation of the two residuals, in
-    [-1, 1]: equal to ``(r_xy - r_xz r_yz) / sqrt((1 - r_xz^2) (1 - r_yz^2))`` on Spearman
-    correlations.  NaN when fewer than 3 values or a residual has no variance (for
-    example ``x`` constant, or a monotone function of ``z``).  Raises ``ValueError`` on
-    mismatched lengths.
-    """
-    from scipy.stats import rankdata
-
-    x, y, z = (np.asarray(v, dtype=float) for v in (x, y, z))
-    if x.ndim != 1 or x.shape != y.shape or x.shape != z.shape:
-        raise ValueError("partial_spearman needs three 1-D sequences of the same length")
-    if x.size < 3:
-        return float("nan")
-    rz = rankdata(z)
-    return float(_row_corr(_residuals(rankdata(x), rz), _residuals(rankdata(y), rz)))
-
-
-def permutation_test_partial(judge: Sequence[float], recorded: Sequence[float], before: Sequence[float],
-                             clusters: Sequence[Any], *, n_resamples: int = N_PERMUTATIONS,
-                             seed: int = 0) -> float | None:
-    """Two-sided p-value of :func:`partial_spearman` ``(judge, recorded | before)`` under
-    a permutation of the judge's changes within each dialogue (all inputs shape (n,);
-    ``clusters`` names each turn's dialogue).
-
-    What it tests: the null hypothesis that, inside each dialogue, the judge's changes
-    are exchangeable across the dialogue's turns, i.e. which of its turns got which of
-    the judge's changes carries no information about SAGE's recorded change or the
-    emotion before.  Each resample shuffles the judge's changes among the turns of every
-    dialogue independently (``numpy.random.default_rng(seed)``; the recorded changes and
-    emotions stay in place), so every dialogue keeps its own set of judged changes and
-    their mean level: agreement that only comes from the judge scoring whole dialogues
-    higher or lower (dialogue-level agreement, or the streaks that the emotion before
-    carries) is kept under the null and cannot make p small; only turn-by-turn
-    agreement within dialogues can.  Dialogues of one turn take part unchanged.
-
-    Returns ``(1 + #{|stat_perm| >= |stat_obs|}) / (n_resamples + 1)`` (in (0, 1]; ties
-    within rounding count as at least as extreme), or ``None`` when the observed
-    statistic is NaN.  Raises ``ValueError`` for ``n_resamples < 1`` or mismatched lengths.
-    """
-    from scipy.stats import rankdata
-
-    if n_resamples < 1:
-        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
-    j, r, z = (np.asarray(v, dtype=float) for v in (judge, recorded, before))
-    if j.ndim != 1 or not (j.shape == r.shape == z.shape) or len(clusters) != j.size:
-        raise ValueError("permutation_test_partial needs 1-D inputs of the same length")
-    observed = partial_spearman(j, r, z)
-    if not np.isfinite(observed):
-        return None
-    rz = rankdata(z)
-    rj = rankdata(j)  # ranks of a permuted vector = the permuted ranks
-    fixed = _residuals(rankdata(r), rz)
-    rng = np.random.default_rng(seed)
-    permuted = np.tile(rj, (n_resamples, 1))
-    groups: dict[Any, list[int]] = {}
-    for i, c in enumerate(clusters):
-        groups.setdefault(c, []).append(i)
-    for members in groups.values():  # dialogues in order of first appearance
-        if len(members) > 1:
-            permuted[:, members] = rj[rng.permuted(np.tile(members, (n_resamples, 1)), axis=1)]
-    stats = _row_corr(_residuals(permuted, rz), fixed)
-    extreme = np.count_nonzero(np.abs(np.nan_to_num(stats, nan=0.0)) >= abs(observed) - 1e-12)
-    return float((1 + extreme) / (n_resamples + 1))
-
-
 def _chain(start: float, changes: Sequence[float]) -> float:
     e = float(start)
     for c in changes:
@@ -557,7 +341,7 @@ def retest_noise(changes_a: Sequence[float | None], changes_b: Sequence[float | 
 def judge_agreement(turns: Sequence[ReplayTurn], scenarios: dict[str, Any], simulator: Any, *,
                     n_boot: int = 1000, confidence: float = 0.95, seed: int = 0, batch_size: int = 8,
                     progress: bool = True, permutation_resamples: int = N_PERMUTATIONS,
-                    retest: Any | None = None) -> dict[str, Any]:
+                    retest: Any | None = None, pool: Sequence[ReplayTurn] | None = None) -> dict[str, Any]:
     """Replay ``turns`` through ``simulator`` and measure its agreement with SAGE's judge.
 
     Every figure is computed on the turns the judge appraised (``n_failed``: turns
@@ -570,7 +354,14 @@ def judge_agreement(turns: Sequence[ReplayTurn], scenarios: dict[str, Any], simu
       bootstrap over dialogues (``n_boot``, ``confidence``, ``seed``);
     - ``permutation_p``: :func:`permutation_test_partial` (within-dialogue permutations,
       ``permutation_resamples`` of them, seed ``seed``), recorded as ``permutation_resamples``;
-    - ``baselines``: :func:`baseline_metrics` of the reply-blind predictors on the same turns;
+    - ``baselines``: :func:`baseline_metrics` of the reply-blind predictors on the same
+      turns, ``boosted`` among them when ``pool`` (every available turn; default
+      ``turns``) holds two or more files
+      (:func:`rlver_lib.evaluation.reply_blind.crossfit_reply_blind`);
+    - ``partial_given_boosted``: :func:`partial_block` given that prediction (``None``
+      without it);
+    - ``first_turn``: :func:`first_turn_block` (within-profile Spearman of first turns);
+    - ``folds``: :func:`fold_blocks` per file;
     - ``retest`` (only when a second judge ``retest`` is given, e.g. the same judge with
       another seed): :func:`retest_noise` of the two runs, with ``n_failed`` of the second;
     - ``n_history_shortened``: turns whose prompt was shortened to fit the judge's context;
@@ -603,13 +394,20 @@ def judge_agreement(turns: Sequence[ReplayTurn], scenarios: dict[str, Any], simu
     result["n_failed"] = len(turns) - len(ok)
     result["n_history_shortened"] = sum(d > 0 for d in dropped)
     j, r, z = (np.asarray(v, dtype=float) for v in (judged, recorded, before))
-    est = cluster_bootstrap(lambda idx: partial_spearman(j[idx], r[idx], z[idx]), len(ok), clusters, **boot)
-    result["partial_spearman"] = _finite(est.value)
-    result["partial_spearman_ci"] = [_finite(est.low), _finite(est.high)]
+    partial = partial_block(j, r, z, clusters, **boot)
+    result["partial_spearman"], result["partial_spearman_ci"] = partial["value"], partial["ci"]
     result["permutation_p"] = permutation_test_partial(j, r, z, clusters, n_resamples=permutation_resamples,
                                                        seed=seed)
     result["permutation_resamples"] = int(permutation_resamples)
-    result["baselines"] = baseline_metrics(recorded, kept, clusters, **boot)
+    predictors = reply_blind_predictors(kept)
+    pool = list(turns if pool is None else pool)
+    boosted = None
+    if len({file_of(t) for t in pool}) > 1:
+        boosted = predictors["boosted"] = crossfit_reply_blind(kept, pool, seed=seed)
+    result["baselines"] = baseline_metrics(recorded, predictors, clusters, **boot)
+    result["partial_given_boosted"] = None if boosted is None else partial_block(j, r, boosted, clusters, **boot)
+    result["first_turn"] = first_turn_block(j, r, kept, **boot)
+    result["folds"] = fold_blocks(j, r, boosted, kept, **boot)
     rows = [{"dialogue": t.dialogue, "turn": t.turn, "emotion_before": t.emotion_before,
              "recorded": t.recorded_change, "reply_chars": len(t.history[-1]["content"]), "judge": c, "error": e,
              "history_dropped": d}
@@ -635,6 +433,37 @@ def _fmt(value: float | None, ci: list[float | None] | None = None, digits: int 
     return text
 
 
+def _ci_text(block: dict[str, Any] | None) -> str:
+    return _fmt(block["value"], block["ci"]) or "n/a" if block else "n/a"
+
+
+def _partial_line(result: dict[str, Any]) -> str:
+    """The partial given the boosted reply-blind model and the first-turn test, in words."""
+    boosted = result.get("partial_given_boosted")
+    text = ("judge: partial Spearman given the gradient-boosted reply-blind prediction "
+            + (_ci_text(boosted) if boosted else "n/a (needs two or more files to cross-fit)"))
+    first = result.get("first_turn")
+    if first:
+        text += (f"; first-turn within-profile Spearman {_ci_text(first['judge'])} (reply length "
+                 f"{_ci_text(first['reply_length'])}) over {first['n_turns']} first replies to "
+                 f"{first['n_profiles']} profiles")
+    else:
+        text += "; first-turn test: n/a (no profile with two first replies)"
+    return text
+
+
+def _fold_lines(result: dict[str, Any]) -> list[str]:
+    """One line per fold (file) of :func:`fold_blocks`."""
+    lines = []
+    for name, f in result.get("folds", {}).items():
+        partial = f.get("partial_given_boosted")
+        lines.append(f"fold {name}: {f['n_turns']} turns of {f['n_dialogues']} dialogues; Spearman "
+                     f"{_fmt(f['spearman'], f['spearman_ci']) or 'n/a'}, sign agreement "
+                     f"{_fmt(f['sign_agreement'], f['sign_agreement_ci'])}, MAE {_fmt(f['mae'], f['mae_ci'], 1)}"
+                     + (f", partial given boosted {_ci_text(partial)}" if partial else ""))
+    return lines
+
+
 def format_report(result: dict[str, Any]) -> str:
     """The printed summary of a :func:`judge_agreement` result: the judge's row and, under
     it, one row per reply-blind baseline on the same turns (blank: not meaningful); the
@@ -653,16 +482,18 @@ def format_report(result: dict[str, Any]) -> str:
     conf = result["confusion"]
     table = pd.DataFrame(conf["counts"], index=pd.Index(conf["buckets"], name="SAGE \\ ours"), columns=conf["buckets"])
     neg = result["share_negative"]
-    p = result["permutation_p"]
+    p, B = result["permutation_p"], result["permutation_resamples"]
+    drawn = (f"drawn: {result['n_drawn_dialogues']} of {result['n_available_dialogues']} dialogues; "
+             if "n_drawn_dialogues" in result else "")
     lines = [f"judge agreement over {result['n_turns']} turns of {result['n_dialogues']} dialogues "
-             f"({result['n_failed']} appraisal(s) failed, left out; "
+             f"({drawn}{result['n_failed']} appraisal(s) failed, left out; "
              f"{result.get('n_history_shortened', 0)} prompt(s) shortened to fit the judge's context); "
              "every row on the same turns; intervals resample dialogues",
              pd.DataFrame(rows).to_string(index=False),
              f"judge: Pearson {_fmt(result['pearson'], result['pearson_ci']) or 'n/a'}; partial Spearman given "
              f"the emotion before {_fmt(result['partial_spearman'], result['partial_spearman_ci']) or 'n/a'}, "
-             f"within-dialogue permutation p = {'n/a' if p is None else f'{p:.4f}'} "
-             f"({result['permutation_resamples']} permutations)",
+             f"within-dialogue permutation {format_p(p, f'Monte Carlo, {B} resamples')} ({B} permutations)",
+             _partial_line(result),
              f"negative changes: ours {neg['judge']:.0%}, SAGE judge {neg['recorded']:.0%}; mean change: "
              f"ours {result['mean_judge_change']:+.2f}, SAGE judge {result['mean_recorded_change']:+.2f}"]
     retest = result.get("retest")
@@ -671,6 +502,7 @@ def format_report(result: dict[str, Any]) -> str:
                      f"{_fmt(retest['sd'], digits=1) or 'n/a'} (mean |difference| "
                      f"{_fmt(retest['mean_abs_diff'], digits=1) or 'n/a'}) over {retest['n_dialogues']} dialogues, "
                      f"{retest['n_dropped']} left out for a failed appraisal")
+    lines += _fold_lines(result)
     lines += ["bucketed changes (rows: SAGE's judge, columns: ours):", table.to_string()]
     if result["n_dialogues"] < MIN_N:
         lines.append(f"note: {result['n_dialogues']} dialogues < {MIN_N}: the intervals say little")
@@ -678,7 +510,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def judge_agreement_command(files: Sequence[str], *, params: str | None = None, overrides: Sequence[str] = (),
-                            sample: int | None = None, dialogues: int | None = None, seed: int = 0,
+                            sample: int | None = None, dialogues: int | None = DEFAULT_DIALOGUES, seed: int = 0,
                             json_out: str | None = None, progress: bool = True,
                             permutations: int = N_PERMUTATIONS, retest_seed: int | None = None,
                             exclude_profiles: str | None = None) -> int:
@@ -687,8 +519,9 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
 
     The judge assessed is ``evaluation.judge`` of the params (default settings when no
     ``--params``) with the ``--set`` overrides.  ``--sample``: turns drawn at random
-    (seed ``--seed``); ``--dialogues``: every turn of that many dialogues drawn at random
-    (applied first, when both are given); ``--permutations``: resamples of the
+    (seed ``--seed``); ``--dialogues``: every turn of at least that many dialogues,
+    drawn by profile (:func:`sample_dialogues`; default :data:`DEFAULT_DIALOGUES`, 0 or
+    ``None`` = all; applied first, when both are given); ``--permutations``: resamples of the
     permutation test (seed ``--seed``); ``--retest-seed``: replay the same turns a second
     time with the judge seeded R (``evaluation.judge.seed=R``) and report the test-retest
     noise (:func:`retest_noise`); ``--exclude-profiles``: leave out every dialogue whose
@@ -710,7 +543,7 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
             earlier = json.loads(Path(exclude_profiles).read_text())["turns"]
             used = {row["dialogue"].rsplit(":", 1)[-1] for row in earlier}
             turns = [t for t in turns if t.record_id not in used]
-        chosen = sample_turns(sample_dialogues(turns, dialogues, seed), sample, seed)
+        chosen = sample_turns(sample_dialogues(turns, dialogues or None, seed), sample, seed)
     except (FileNotFoundError, JsonlError, ScenarioFileError, ValueError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -723,7 +556,7 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
         result = judge_agreement(chosen, scenarios, judge, n_boot=cfg.evaluation.bootstrap_samples,
                                  confidence=cfg.evaluation.confidence, seed=seed,
                                  batch_size=cfg.evaluation.judge.concurrency, progress=progress,
-                                 permutation_resamples=permutations, retest=again)
+                                 permutation_resamples=permutations, retest=again, pool=turns)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -737,7 +570,8 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
     result = {"judge": judge_description(cfg.evaluation.judge, judge_seed(cfg.evaluation, cfg.seed)),
               "files": [str(f) for f in files], "sample": sample, "dialogues": dialogues, "seed": seed,
               "exclude_profiles": exclude_profiles,
-              "n_available_turns": len(turns), **result}
+              "n_available_turns": len(turns), "n_available_dialogues": len({t.dialogue for t in turns}),
+              "n_drawn_dialogues": len({t.dialogue for t in chosen}), **result}
     print(format_report(result))
     if json_out:
         atomic_write_json(Path(json_out), result)

@@ -24,7 +24,7 @@ from rlver_lib.files import RunFolder, process_rank
 from rlver_lib.models import load_policy, make_policy_backend
 from rlver_lib.plots import plot_breakdown, plot_emotion_trajectories, save_figure
 from rlver_lib.scenarios import load_scenarios
-from rlver_lib.stats import MIN_N
+from rlver_lib.stats import MIN_N, format_p
 
 
 def _grey(text: str) -> str:
@@ -80,15 +80,17 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
         diff += f", {paired['n_pairs']} dialogue pair(s); {dropped_text(paired)})"
         method = f" ({paired['p_method']})" if paired.get("p_method") else ""
         stats = (f"{100 * paired['confidence']:.0f}% CI [{paired['ci_low']:+.1f}, {paired['ci_high']:+.1f}], "
-                 f"sign-flip permutation p = {paired['p_value']:.3g}{method}")
+                 f"sign-flip permutation {format_p(paired['p_value'], paired.get('p_method', ''))}{method}")
         if n < MIN_N:
             stats = _grey(f"{stats} — not evidence: n = {n} scenarios < {MIN_N}")
         lines.append(f"- Sentient score change: {diff}; {stats}.")
         low, high = paired.get("errors_low"), paired.get("errors_high")
         if low and high:
             n_b = high["n_scenarios"]
-            bound_stats = (f"low: CI [{low['ci_low']:+.1f}, {low['ci_high']:+.1f}], p = {low['p_value']:.3g}; "
-                           f"high: CI [{high['ci_low']:+.1f}, {high['ci_high']:+.1f}], p = {high['p_value']:.3g}")
+            bound_stats = (f"low: CI [{low['ci_low']:+.1f}, {low['ci_high']:+.1f}], "
+                           f"{format_p(low['p_value'], low.get('p_method', ''))}; "
+                           f"high: CI [{high['ci_low']:+.1f}, {high['ci_high']:+.1f}], "
+                           f"{format_p(high['p_value'], high.get('p_method', ''))}")
             if n_b < MIN_N:
                 bound_stats = _grey(f"{bound_stats} — n = {n_b} scenarios < {MIN_N}")
             lines.append(f"- With the {paired.get('n_dropped_error', 0)} errored pair(s) put back at the bounds "
@@ -265,8 +267,9 @@ def eval_command(cfg: Any, *, label: str | None = None) -> int:
     print(f"{ev.benchmark.label}: Sentient score {s.sentient_score.value:.1f} "
           f"[{s.sentient_score.low:.1f}, {s.sentient_score.high:.1f}] over {s.n_scenarios} scenario(s), "
           f"success {s.n_success}/{s.n}, failure {s.n_failure}/{s.n}, "
-          f"errors {s.n_error} ({100 * s.error_rate:.0f}%; score {s.score_errors_at_last:.1f} with them at their "
-          f"last emotion, {s.score_errors_as_zero:.1f} as 0), context-budget stops {s.n_context_limit}, "
+          f"errors {s.n_error} ({100 * s.error_rate:.0f}%; with them put back, the score lies in "
+          f"[{s.score_errors_as_zero:.1f}, {s.score_errors_as_100:.1f}]: errored dialogues at 0, then at 100), "
+          f"context-budget stops {s.n_context_limit}, "
           f"mean turns {s.mean_turns.value:.2f}, protocol {cfg.evaluation.protocol} -> {ev.benchmark.out_dir}")
     seed = judge_seed(cfg.evaluation, cfg.seed)
     print("judge: " + judge_name(judge_description(cfg.evaluation.judge, seed)))
@@ -274,6 +277,7 @@ def eval_command(cfg: Any, *, label: str | None = None) -> int:
         print("capability retention: " + json.dumps({k: v for k, v in ev.capability.items() if k != "lm_eval"}))
     if ev.paired is not None:
         d = ev.paired.difference
-        print(f"paired vs baseline: {d.mean_diff:+.1f} [{d.ci_low:+.1f}, {d.ci_high:+.1f}], p = {d.p_value:.3g}, "
+        print(f"paired vs baseline: {d.mean_diff:+.1f} [{d.ci_low:+.1f}, {d.ci_high:+.1f}], "
+              f"{format_p(d.p_value, d.p_method)}, "
               f"n = {d.n_scenarios} scenarios")
     return 0
