@@ -243,7 +243,8 @@ def varied_change(reply: str) -> int:
 
 
 def phase_train(args: argparse.Namespace) -> dict[str, Any]:
-    from rlver_lib.config import EMBEDDED_POLICY, build_config
+    from rlver_lib.config import EMBEDDED_POLICY
+    from rlver_lib.params import build_config
     from rlver_lib.scenarios import load_scenarios
     from rlver_lib.simulator import RuleSimulator
     from rlver_lib.trainer import Trainer

@@ -164,7 +164,8 @@ def learner_memory(args) -> dict:
 
     import rlver_lib
     from rlver_lib import learner
-    from rlver_lib.config import EMBEDDED_POLICY, load_config
+    from rlver_lib.config import EMBEDDED_POLICY
+    from rlver_lib.params import load_config
 
     cfg = load_config(args.learner_memory, {"policy.model": EMBEDDED_POLICY, "policy.backend": "transformers",
                                             "policy.dtype": args.dtype_memory})

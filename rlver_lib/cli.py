@@ -26,8 +26,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlver_lib.config import ConfigError, RunConfig, load_config
+from rlver_lib.config import ConfigError, RunConfig
 from rlver_lib.files import process_rank
+from rlver_lib.params import load_config
 from rlver_lib.pipeline.ablate import load_grid, run_ablation
 from rlver_lib.pipeline.run import (
     PipelineError,

@@ -1,32 +1,22 @@
 """Typed run configuration (docs/ARCHITECTURE.md "Code map").
 
 One :class:`RunConfig` describes a whole run: the policy, the simulated user, the
-scenarios, rollouts, training, evaluation and reporting.  It is loaded from
-``params/*.yaml``; dotted overrides (``training.steps=4``) come from the command
-line (``rlver run P.yaml --set key=value``) and from papermill parameters.
-A params file may start from another with ``base: other.yaml`` (deep merge,
-:func:`load_params`); the paper recipes share ``params/paper/base.yaml``.
-Unknown keys are errors everywhere (``extra="forbid"``), and each section holds only
-the fields it uses: how to reach and drive a model is one :class:`EndpointConfig`, the
-strategy annotator's; a simulated user adds its settings (:class:`UserModelConfig`), the
-training simulator its start emotion, the benchmark's judge its seed.
-
-Errors: :func:`load_config` raises :class:`ConfigError` naming the file and the
-offending key (for example ``params/x.yaml: training.stepz: unknown key 'stepz' in
-training (did you mean steps?); valid keys: ...``), or the override that caused it
-(``--set training.stepz=4: unknown key 'stepz' in training ...``).
+scenarios, rollouts, training, evaluation and reporting. Unknown keys are errors
+everywhere (``extra="forbid"``), and each section holds only the fields it uses: how to
+reach and drive a model is one :class:`EndpointConfig`, the strategy annotator's; a
+simulated user adds its settings (:class:`UserModelConfig`), the training simulator its
+start emotion, the benchmark's judge its seed. Params files, their ``base:`` chains and
+dotted overrides become a :class:`RunConfig` in :mod:`rlver_lib.params`, which raises
+:class:`ConfigError` naming the file and the key.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 EMBEDDED_POLICY = "embedded:smollm2-135m-instruct"
 EMBEDDED_SIMULATOR = "embedded:qwen2.5-coder-1.5b-instruct-q4km"
@@ -486,17 +476,6 @@ def training_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = data
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{key}: '{part}' is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
 def get_dotted(data: RunConfig | BaseModel | dict[str, Any], key: str) -> Any:
     """The value at a dotted ``key`` (``training.learning_rate``) of a config or a
     mapping: the reader beside the overrides' setter. Raises :class:`ConfigError`
@@ -516,231 +495,8 @@ PAPER_AXES = ("training.algorithm", "policy.think", "simulator.difficulty")
 """The ablation axes of the paper (RLVER §5): PPO vs GRPO, think vs non-think, simulator difficulty."""
 
 
-def parse_override(item: str) -> tuple[str, Any]:
-    """Split ``key=value``; the value is parsed as YAML (``4``, ``true``, ``[a, b]``).
-
-    Raises :class:`ConfigError` when there is no ``=``.
-    """
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} is not of the form key=value")
-    key, raw = item.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
-
-
 RENAMED_STAGES = {"evaluate": "trained"}
 """Stages renamed since: ``{old: new}``. The benchmark of the trained policy is the
 stage ``trained``, as its label and its notebook ``04_evaluation_trained.ipynb``. A
 params file naming an old one is refused; an old run's ``config.yaml`` and
-``manifest.json`` are read with the new name (:func:`upgrade_run_config`)."""
-
-REMOVED_KEYS = {"evaluation.n_scenarios": "scenarios.limit_test"}
-"""Keys a params file may still carry from an older version: ``{old: the key that replaced it}``."""
-
-UNUSED_KEYS: dict[str, str] = {
-    "evaluation.judge.initial_emotion": "the judge never used it: the benchmark starts at evaluation.initial_emotion",
-    "analysis.judge.initial_emotion": "the strategy annotator never used it: dialogues start at "
-                                      "simulator.initial_emotion (training) and evaluation.initial_emotion "
-                                      "(the benchmark)",
-    **{f"analysis.judge.{name}": "the strategy annotator never used it: it is a simulated user's setting, "
-                                 "of simulator and evaluation.judge"
-       for name in UserModelConfig.model_fields if name not in AnnotatorConfig.model_fields},
-}
-"""Keys that earlier versions accepted, and wrote into every run's ``config.yaml``, but
-never used (the judge and the strategy annotator were whole simulator configs then):
-``{key: why}``.  A params file or override that sets one is refused with the reason;
-:func:`load_run_config` drops them from an old run's ``config.yaml``."""
-
-
-def _key_note(loc: str) -> str:
-    """`` (removed: use <key>)`` for a :data:`REMOVED_KEYS` key, `` (<why>)`` for an
-    :data:`UNUSED_KEYS` one, else empty."""
-    if loc in REMOVED_KEYS:
-        return f" (removed: use {REMOVED_KEYS[loc]})"
-    if loc in UNUSED_KEYS:
-        return f" ({UNUSED_KEYS[loc]})"
-    return ""
-
-
-def _section_model(parts: list[str]) -> type[BaseModel] | None:
-    """The config model of the section at dotted ``parts`` (``[]``: :class:`RunConfig`),
-    ``None`` when no such section exists."""
-    model: type[BaseModel] | None = RunConfig
-    for part in parts:
-        field = model.model_fields.get(part) if model else None
-        if field is None:
-            return None
-        model = _model_in(field.annotation)
-    return model
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in get_args(annotation):  # ``AnnotatorConfig | None``
-        found = _model_in(arg)
-        if found:
-            return found
-    return None
-
-
-def _unknown_key_hint(loc: str) -> str:
-    """``unknown key 'stepz' in training (did you mean steps?); valid keys: ...``."""
-    *section, name = loc.split(".")
-    model = _section_model(section)
-    where = f"in {'.'.join(section)}" if section else "at the top level"
-    text = f"unknown key '{name}' {where}"
-    if _key_note(loc):
-        return text + _key_note(loc)
-    if model is None:
-        return text
-    valid = list(model.model_fields)
-    close = difflib.get_close_matches(name, valid, n=3)
-    if close:
-        text += f" (did you mean {' or '.join(close)}?)"
-    return text + f"; valid keys: {', '.join(valid)}"
-
-
-def _override_of(loc: str, kind: str, overrides: dict[str, str]) -> str | None:
-    """The label of the override an error at ``loc`` comes from, ``None`` when it comes
-    from the params data: the override set ``loc`` or a section above it, or (an unknown
-    key) created the unknown section ``loc`` on its way down."""
-    for key, label in overrides.items():
-        if key == loc or loc.startswith(key + ".") or (
-                kind == "extra_forbidden" and key.startswith(loc + ".")):
-            return label
-    return None
-
-
-def _format_error(source: str, err: ValidationError, overrides: dict[str, str] | None = None) -> str:
-    """One line per error: ``<source>: <key>: <message>`` for the params data, or
-    ``--set <key>=<value>: ...`` for an override; an unknown key, in either, with the
-    closest valid keys and all of the section's (:func:`_unknown_key_hint`)."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        label = _override_of(loc, e["type"], overrides or {}) if e["loc"] else None
-        if label is None:
-            detail = _unknown_key_hint(loc) if e["type"] == "extra_forbidden" else e["msg"]
-            lines.append(f"{source}: {loc}: {detail}")
-        elif e["type"] == "extra_forbidden":
-            lines.append(f"{label}: {_unknown_key_hint(loc)}")
-        else:
-            lines.append(f"{label}: {loc}: {e['msg']}")
-    return "\n".join(lines)
-
-
-def build_config(
-    data: dict[str, Any] | None = None,
-    overrides: dict[str, Any] | list[str] | None = None,
-    source: str = "<config>",
-) -> RunConfig:
-    """Validate ``data`` with dotted ``overrides`` applied.
-
-    ``overrides`` is a mapping ``{"training.steps": 4}`` or a list of
-    ``"key=value"`` strings (``--set``). Raises :class:`ConfigError` naming every bad
-    key: an error of the data names ``source``, one an override causes names the
-    override (``--set training.stepz=4: unknown key 'stepz' in training (did you mean
-    steps?); valid keys: ...``).
-    """
-    data = json.loads(json.dumps(data or {}))
-    if isinstance(overrides, list):  # the command line's ``--set key=value``
-        parsed = [(item, *parse_override(item)) for item in overrides]
-        labels = {key: f"--set {item.strip()}" for item, key, _ in parsed}
-        overrides = {key: value for _, key, value in parsed}
-    else:
-        labels = {key: f"override {key}" for key in overrides or {}}
-    for key, value in (overrides or {}).items():
-        try:
-            _set_dotted(data, key, value)
-        except ConfigError as err:
-            raise ConfigError(f"{labels[key]}: {err}") from None
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(_format_error(source, err, labels)) from None
-
-
-def merge_params(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
-    """Deep merge of two params mappings: ``overlay`` wins; nested mappings merge key
-    by key, every other value (lists included) replaces the base value whole. Neither
-    input is modified."""
-    merged = json.loads(json.dumps(base))
-    for key, value in overlay.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_params(merged[key], value)
-        else:
-            merged[key] = json.loads(json.dumps(value))
-    return merged
-
-
-def load_params(path: str | Path, _chain: tuple[tuple[Path, str], ...] = ()) -> dict[str, Any]:
-    """The params mapping of ``path`` with its ``base:`` chain resolved (not validated).
-
-    A file may name one other params file as ``base: other.yaml``, resolved relative
-    to the including file's folder; the including file's keys are deep-merged over
-    the base's (:func:`merge_params`), and a base may have a base of its own. The
-    result has no ``base`` key. Raises :class:`ConfigError` on an unreadable file, a
-    top level that is not a mapping, a ``base`` that is not a string, or a cycle
-    (the message names the chain, ``a.yaml -> b.yaml -> a.yaml``).
-    """
-    path = Path(path)
-    key = path.resolve()
-    seen = [resolved for resolved, _ in _chain]
-    if key in seen:
-        names = [shown for _, shown in _chain[seen.index(key):]] + [str(path)]
-        raise ConfigError(f"{path}: base: cycle {' -> '.join(names)}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"{path}: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping")
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    if not isinstance(base, str) or not base.strip():
-        raise ConfigError(f"{path}: base: must be the path of another params file, got {base!r}")
-    return merge_params(load_params(path.parent / base, (*_chain, (key, str(path)))), data)
-
-
-def load_config(
-    path: str | Path, overrides: dict[str, Any] | list[str] | None = None
-) -> RunConfig:
-    """Load ``path`` (YAML, with its ``base:`` chain, :func:`load_params`), apply
-    overrides, validate. Raises :class:`ConfigError`."""
-    return build_config(load_params(path), overrides, source=str(path))
-
-
-def upgrade_run_config(data: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a run's config mapping without the :data:`UNUSED_KEYS` (``analysis.judge``
-    may be ``None``) and with the :data:`RENAMED_STAGES` renamed; a current mapping comes
-    back equal."""
-    data = json.loads(json.dumps(data))
-    if isinstance(data.get("stages"), list):
-        data["stages"] = [RENAMED_STAGES.get(name, name) for name in data["stages"]]
-    for key in UNUSED_KEYS:
-        *section, name = key.split(".")
-        node: Any = data
-        for part in section:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(name, None)
-    return data
-
-
-def load_run_config(
-    path: str | Path, overrides: dict[str, Any] | list[str] | None = None
-) -> RunConfig:
-    """A run folder's saved ``config.yaml``, read as :func:`load_config` reads a params
-    file but without the :data:`UNUSED_KEYS`: versions before the judge and the strategy
-    judge got configs of their own wrote ``evaluation.judge.initial_emotion`` (and, with
-    an ``analysis.judge``, its ``difficulty``, ``initial_emotion`` and appraisal settings)
-    into every run's config; they never had an effect, so the run reads as it ran. Old
-    stage names are read as their new ones (:data:`RENAMED_STAGES`).
-    Raises :class:`ConfigError`."""
-    return build_config(upgrade_run_config(load_params(path)), overrides, source=str(path))
-
-
-def dump_config(cfg: RunConfig) -> str:
-    """The resolved config as YAML (what every run saves as ``config.yaml``)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+``manifest.json`` are read with the new name (:func:`~rlver_lib.params.upgrade_run_config`)."""

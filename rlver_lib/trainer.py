@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from rlver_lib.backends import Closing, PolicyBackend, close_backend
 from rlver_lib.checkpoint import Checkpoints
-from rlver_lib.config import ConfigError, RunConfig, TrainingConfig, dump_config, training_problems
+from rlver_lib.config import ConfigError, RunConfig, TrainingConfig, training_problems
 from rlver_lib.files import CheckpointFolder, RunFolder, atomic_directory, atomic_write_text, iter_jsonl, write_jsonl
 from rlver_lib.learner import (
     UPDATE_SUMS,
@@ -62,6 +62,7 @@ from rlver_lib.learner import (
     update_metrics,
     window_sizes,
 )
+from rlver_lib.params import dump_config
 
 TIMING_METRICS = ("step_time_s", "rollout_time_s", "update_time_s", "tokens_per_s",
                   "generated_tokens_per_s", "peak_memory_mb")

@@ -50,8 +50,9 @@ import torch
 from training_support import hashed_change, starts_with_i, tiny_scenarios
 
 from rlver_lib.backends import TransformersBackend, conversation_seed, derive_seed
-from rlver_lib.config import ConfigError, build_config
+from rlver_lib.config import ConfigError
 from rlver_lib.files import iter_jsonl
+from rlver_lib.params import build_config
 from rlver_lib.simulator import RuleSimulator, SimulatorTurn
 
 

@@ -294,7 +294,8 @@ def test_k3_loss_gradient_depends_on_the_reference_and_k1_does_not():
 
 
 def test_config_refuses_k1_as_a_loss_term():
-    from rlver_lib.config import ConfigError, build_config
+    from rlver_lib.config import ConfigError
+    from rlver_lib.params import build_config
 
     with pytest.raises(ConfigError, match="k1 cannot be a loss term"):
         build_config({"training": {"kl_coef": 0.05, "kl_estimator": "k1"}})

@@ -56,7 +56,7 @@ def test_cell_tables_round_trip(runs):
 def test_a_grid_over_any_dotted_axis_reaches_the_tables_and_figures(tmp_path):
     """A tiny grid over ``training.learning_rate`` (not one of the paper's axes): each
     cell's config is read back through load_config, and the axis is a column and a panel."""
-    from rlver_lib.config import dump_config
+    from rlver_lib.params import dump_config
     from rlver_lib.pipeline.ablate import load_grid
 
     grid = tmp_path / "grid.yaml"

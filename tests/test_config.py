@@ -9,17 +9,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from rlver_lib.config import (
-    PAPER_AXES,
-    AnnotatorConfig,
-    ConfigError,
-    JudgeConfig,
-    build_config,
-    dump_config,
-    get_dotted,
-    load_config,
-    load_run_config,
-)
+from rlver_lib.config import PAPER_AXES, AnnotatorConfig, ConfigError, JudgeConfig, get_dotted
+from rlver_lib.params import build_config, dump_config, load_config, load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

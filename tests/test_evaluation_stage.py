@@ -14,8 +14,8 @@ from rlver_lib.evaluation.benchmark import summarize
 
 
 def test_evaluate_uses_the_judge_not_the_training_simulator(tmp_path, monkeypatch):
-    from rlver_lib.config import build_config
     from rlver_lib.evaluation.stage import evaluate, headline_markdown
+    from rlver_lib.params import build_config
 
     scenarios = three_scenarios()
     openings = [s.opening_line for s in scenarios]
@@ -80,9 +80,9 @@ def test_headline_shows_intervals_from_ten_scenarios_on(tmp_path):
     ("other.gguf", None),
 ])
 def test_headline_says_when_the_judge_is_the_training_reward(tmp_path, simulator_model, expected):
-    from rlver_lib.config import build_config, dump_config
     from rlver_lib.evaluation.benchmark import write_summary
     from rlver_lib.evaluation.stage import headline_markdown
+    from rlver_lib.params import build_config, dump_config
 
     judge = {"backend": "llamacpp", "model": "embedded:qwen2.5-coder-1.5b-instruct-q4km", "base_url": None,
              "difficulty": "moderate", "appraisal": "expected", "temperature": 0.7, "seed": 0}

@@ -15,9 +15,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlver_lib"
 # Lowest first; a module may import modules of its own layer or of a lower one. A
 # sub-package (a folder) is one layer; its modules are named ``folder.module``.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("data and config", {"config", "files", "stats"}),
+    ("data and config", {"config", "params", "files", "stats"}),
     ("backends", {"native", "backends", "openai_backend", "servers", "vllm_backend", "vllm_server"}),
-    ("simulator and rollout", {"scenarios", "appraisal", "user_prompts", "simulator", "models", "rollout", "records", "character", "plots"}),
+    ("simulator and rollout", {"scenarios", "appraisal", "user_prompts", "simulator", "models", "rollout", "records",
+                               "character", "plots"}),
     ("algorithms and trainer", {"algorithms", "checkpoint", "learner", "trainer"}),
     ("evaluation", {"evaluation.*"}),
     ("analysis", {"analysis.*"}),

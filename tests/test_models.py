@@ -18,10 +18,10 @@ from rlver_lib.config import (
     PolicyConfig,
     SamplingParams,
     SimulatorConfig,
-    load_config,
 )
 from rlver_lib.models import EmbeddedModelError, join_verified
 from rlver_lib.openai_backend import OpenAIBackend
+from rlver_lib.params import load_config
 from rlver_lib.servers import LlamaServerBackend
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlver_lib.config import ConfigError, build_config, load_config, load_params, merge_params
+from rlver_lib.config import ConfigError
+from rlver_lib.params import build_config, load_config, load_params, merge_params
 from rlver_lib.pipeline.ablate import load_grid
 from rlver_lib.vllm_backend import vllm_max_lora_rank
 

@@ -16,9 +16,10 @@ import pytest
 import yaml
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from rlver_lib.config import ConfigError, build_config, dump_config
+from rlver_lib.config import ConfigError
 from rlver_lib.evaluation.stage import eval_command, evaluate
 from rlver_lib.files import atomic_write_json
+from rlver_lib.params import build_config, dump_config
 from rlver_lib.pipeline.ablate import run_ablation
 from rlver_lib.pipeline.manifest import read_manifest, track_peak_memory
 from rlver_lib.pipeline.notebook import (

@@ -16,7 +16,7 @@ import torch
 from training_support import FakeAccelerator, hashed_change, starts_with_i, tiny_config, tiny_scenarios
 
 from rlver_lib import algorithms
-from rlver_lib.config import EMBEDDED_POLICY, ConfigError, build_config, load_config
+from rlver_lib.config import EMBEDDED_POLICY, ConfigError
 from rlver_lib.files import iter_jsonl
 from rlver_lib.learner import (
     Sample,
@@ -30,6 +30,7 @@ from rlver_lib.learner import (
     train_reward,
     window_sizes,
 )
+from rlver_lib.params import build_config, load_config
 from rlver_lib.simulator import RuleSimulator
 from rlver_lib.trainer import (
     Trainer,

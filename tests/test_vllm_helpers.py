@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 
 from rlver_lib.backends import BackendError
-from rlver_lib.config import PolicyConfig, SamplingParams, build_config
+from rlver_lib.config import PolicyConfig, SamplingParams
+from rlver_lib.params import build_config
 from rlver_lib.vllm_backend import (
     DEFAULT_CPU_KV_CACHE_GB,
     AdapterVersion,
@@ -140,7 +141,7 @@ def stand_in_vllm(monkeypatch):
 
 def test_paper_recipe_engine_gets_the_batched_token_cap_and_sleeps_while_the_learner_trains(stand_in_vllm,
                                                                                              tmp_path):
-    from rlver_lib.config import load_config
+    from rlver_lib.params import load_config
     from rlver_lib.trainer import rest_rollout_backend
     from rlver_lib.vllm_backend import VLLMBackend
 

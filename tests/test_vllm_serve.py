@@ -38,8 +38,9 @@ require_vllm()
 import jsonschema  # noqa: E402
 
 from rlver_lib.appraisal import apply_change, appraisal_schema, reply_schema  # noqa: E402
-from rlver_lib.config import SamplingParams, build_config  # noqa: E402
+from rlver_lib.config import SamplingParams  # noqa: E402
 from rlver_lib.evaluation.benchmark import run_benchmark  # noqa: E402
+from rlver_lib.params import build_config  # noqa: E402
 from rlver_lib.simulator import UserSimulator  # noqa: E402
 from rlver_lib.vllm_server import ServeOptions, VLLMServer  # noqa: E402
 

@@ -32,8 +32,8 @@ require_vllm()
 
 import torch  # noqa: E402
 
-from rlver_lib.config import build_config  # noqa: E402
 from rlver_lib.files import iter_jsonl  # noqa: E402
+from rlver_lib.params import build_config  # noqa: E402
 from rlver_lib.scenarios import Scenario  # noqa: E402
 from rlver_lib.simulator import RuleSimulator  # noqa: E402
 from rlver_lib.trainer import TIMING_METRICS, Trainer  # noqa: E402

@@ -9,7 +9,7 @@ import math
 import re
 import zlib
 
-from rlver_lib.config import build_config
+from rlver_lib.params import build_config
 from rlver_lib.scenarios import Scenario
 
 OPENINGS = ["I had a rough day.", "My friend is mad at me.", "I feel stuck at work.", "Nobody listens to me."]

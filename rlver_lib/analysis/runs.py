@@ -16,8 +16,9 @@ from matplotlib.figure import Figure
 
 from rlver_lib.analysis.hacking import reply_changes
 from rlver_lib.appraisal import FAILURE_EMOTION, SUCCESS_EMOTION
-from rlver_lib.config import PAPER_AXES, RunConfig, get_dotted, load_run_config
+from rlver_lib.config import PAPER_AXES, RunConfig, get_dotted
 from rlver_lib.files import RunFolder, iter_jsonl
+from rlver_lib.params import load_run_config
 from rlver_lib.plots import plot_emotion_trajectories, plot_paired_scenarios
 from rlver_lib.records import dialogue_view, load_records, policy_turns, scored_records
 from rlver_lib.stats import cluster_bootstrap_ci
@@ -135,7 +136,7 @@ def eval_overview(run_dir: str | Path) -> EvalOverview | None:
     return EvalOverview(ev.pivot(index="metric", columns="label", values="estimate [interval]"), fig)
 
 def run_config(run_dir: str | Path) -> RunConfig | None:
-    """The resolved config a run saved (``<run>/config.yaml``, :func:`rlver_lib.config.load_run_config`),
+    """The resolved config a run saved (``<run>/config.yaml``, :func:`rlver_lib.params.load_run_config`),
     ``None`` when the folder has none. Raises :class:`rlver_lib.config.ConfigError`."""
     path = RunFolder(run_dir).config
     return load_run_config(path) if path.is_file() else None

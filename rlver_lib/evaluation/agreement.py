@@ -39,7 +39,6 @@ from tqdm.auto import tqdm
 
 from rlver_lib.appraisal import apply_change
 from rlver_lib.backends import close_backend
-from rlver_lib.config import build_config, load_config
 from rlver_lib.evaluation.agreement_stats import (
     N_PERMUTATIONS,
     agreement_metrics,
@@ -57,6 +56,7 @@ from rlver_lib.evaluation.reply_blind import (
     reply_blind_predictors,
 )
 from rlver_lib.files import JsonlError, atomic_write_json, iter_jsonl
+from rlver_lib.params import build_config, load_config
 from rlver_lib.scenarios import ScenarioFileError, load_scenarios
 from rlver_lib.stats import MIN_N, format_p
 from rlver_lib.user_prompts import SimulatorRequest

@@ -15,13 +15,13 @@ import pandas as pd
 
 from rlver_lib import character
 from rlver_lib.backends import close_backend
-from rlver_lib.config import load_run_config
 from rlver_lib.evaluation.benchmark import BenchmarkResult, BenchmarkSummary, run_benchmark
 from rlver_lib.evaluation.capability import run_lm_eval, run_retention
 from rlver_lib.evaluation.judge import build_judge, judge_description, judge_name, judge_seed
 from rlver_lib.evaluation.paired import PairedComparison, dropped_text, write_paired
 from rlver_lib.files import RunFolder, process_rank
 from rlver_lib.models import load_policy, make_policy_backend
+from rlver_lib.params import load_run_config
 from rlver_lib.plots import plot_breakdown, plot_emotion_trajectories, save_figure
 from rlver_lib.scenarios import load_scenarios
 from rlver_lib.stats import MIN_N, format_p

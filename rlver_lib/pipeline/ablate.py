@@ -14,10 +14,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tqdm import tqdm
 
-from rlver_lib.config import ConfigError, RunConfig, build_config, load_params
+from rlver_lib.config import ConfigError, RunConfig
 from rlver_lib.evaluation.benchmark import protocol_description
 from rlver_lib.evaluation.judge import JudgeMismatchError, check_same_judge, judge_description, judge_seed
 from rlver_lib.files import RunFolder, atomic_write_text, process_rank
+from rlver_lib.params import build_config, load_params
 from rlver_lib.pipeline.manifest import read_manifest
 from rlver_lib.pipeline.report import execute_notebook, limits_statement, render_report
 from rlver_lib.pipeline.run import PipelineError, kernel_environment, run_pipeline

@@ -10,9 +10,10 @@ from typing import Any, Sequence
 import pandas as pd
 from matplotlib.figure import Figure
 
-from rlver_lib.config import RunConfig, ScenarioConfig, load_config, load_run_config
+from rlver_lib.config import RunConfig, ScenarioConfig
 from rlver_lib.evaluation.benchmark import trajectory_table
 from rlver_lib.files import PROJECT_ROOT, RunFolder, write_jsonl
+from rlver_lib.params import load_config, load_run_config
 from rlver_lib.plots import plot_emotion_trajectories
 from rlver_lib.records import dialogue_view, entry_mood
 from rlver_lib.rollout import Trajectory
@@ -29,7 +30,7 @@ def open_run(params_file: str | Path, run_dir: str | Path | None = None,
     config has ``output_root``/``run_name`` pointing at that folder, so
     ``cfg.run_dir`` is absolute. ``params_file`` may be the run folder's own
     ``config.yaml`` (what :func:`run_pipeline` passes), also one an older version wrote
-    (:func:`rlver_lib.config.load_run_config`). Raises :class:`ConfigError` on a bad
+    (:func:`rlver_lib.params.load_run_config`). Raises :class:`ConfigError` on a bad
     params file.
     """
     own = run_dir is not None and Path(params_file).resolve() == RunFolder(run_dir).config.resolve()

@@ -21,8 +21,9 @@ from typing import Any, Iterator
 import yaml
 from tqdm import tqdm
 
-from rlver_lib.config import ConfigError, RunConfig, dump_config, upgrade_run_config
+from rlver_lib.config import ConfigError, RunConfig
 from rlver_lib.files import PROJECT_ROOT, RunFolder, atomic_write_json, atomic_write_text, process_rank
+from rlver_lib.params import dump_config, upgrade_run_config
 from rlver_lib.pipeline.manifest import new_manifest, read_manifest, track_peak_memory, utc_now
 from rlver_lib.pipeline.report import execute_notebook, render_report, report_header
 
@@ -176,7 +177,7 @@ def prepare_run_dir(cfg: RunConfig, params_file: str | None = None) -> tuple[Pat
     A run folder already holding a different resolved config raises
     :class:`ConfigError` (resuming must not silently change the experiment); change
     ``run_name`` or delete the folder. A ``config.yaml`` that differs only in the keys
-    an older version wrote but never used (:data:`rlver_lib.config.UNUSED_KEYS`), in the
+    an older version wrote but never used (:data:`rlver_lib.params.UNUSED_KEYS`), in the
     old names of stages (:data:`~rlver_lib.config.RENAMED_STAGES`) or in the order of its
     keys is the same experiment: it is rewritten and the run resumes.
     """
