@@ -33,9 +33,10 @@ from scipy.stats import spearmanr
 from tqdm.auto import tqdm
 
 from rlver_lib.config import JudgeConfig
-from rlver_lib.evaluation.agreement import lane_order, load_replay, partial_spearman, sample_dialogues
+from rlver_lib.evaluation.agreement import lane_order, load_replay, sample_dialogues
 from rlver_lib.files import atomic_write_json
 from rlver_lib.models import build_simulator
+from rlver_lib.stats import partial_spearman
 from rlver_lib.user_prompts import SimulatorRequest
 
 
