@@ -37,6 +37,7 @@ from rlver_lib.pipeline.run import (
     run_folder_lock,
     run_pipeline,
     sigterm_as_interrupt,
+    single_process_environment,
 )
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -77,7 +78,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if process_rank() > 0:  # only rank 0 writes eval/<label>/ (evaluate)
         return eval_command(cfg)
-    with run_folder_lock(cfg.run_dir.resolve()):  # not beside an `rlver run` writing the same folder
+    # not beside an `rlver run` writing the same folder; as one process, not rank 0 of a
+    # process group the other ranks never join (run.single_process_environment)
+    with run_folder_lock(cfg.run_dir.resolve()), single_process_environment():
         return eval_command(cfg)
 
 

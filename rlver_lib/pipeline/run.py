@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import yaml
 from tqdm import tqdm
@@ -108,6 +108,9 @@ class Stage:
 
     ``marker`` (relative to the run folder) is the file whose existence shows the
     stage's outputs are complete; ``None`` means the manifest record alone decides.
+    ``distributed`` marks the one stage every rank of a launch runs (training): its
+    kernel keeps the launcher's variables; any other stage runs on rank 0 alone, as
+    a single process (:func:`kernel_environment`).
     """
 
     name: str
@@ -115,6 +118,7 @@ class Stage:
     output: str
     marker: str | None
     params: dict[str, Any] = field(default_factory=dict)
+    distributed: bool = False
 
 
 def trained_adapter_dir(run_dir: Path) -> Path:
@@ -142,7 +146,7 @@ def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
               marker(folder.eval_summary("baseline")),
               {"label": "baseline", "adapter": cfg.policy.adapter}),
         Stage("train", "03_training.ipynb", "03_training.ipynb",
-              marker(trained / "adapter_config.json")),
+              marker(trained / "adapter_config.json"), distributed=True),
         Stage("trained", "04_evaluation.ipynb", "04_evaluation_trained.ipynb",
               marker(folder.eval_summary("trained")), {"label": "trained", "adapter": adapter}),
         Stage("analysis", "06_analysis.ipynb", "06_analysis.ipynb", None),
@@ -150,10 +154,58 @@ def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
     return [s for s in every if s.name in cfg.stages]
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                      "MASTER_ADDR", "MASTER_PORT",
+                      # MPI launchers, which accelerate's PartialState also reads
+                      "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                      "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
+                      "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+"""What ``torchrun`` / ``accelerate launch`` (and MPI launchers) set to make a process
+one rank of a process group; with them, ``accelerate.PartialState()`` or
+``Accelerator()`` in a process opens the launch's group and waits for every rank."""
+
+LAUNCHER_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_")
+"""Prefixes of launcher variables too: ``TORCHELASTIC_*`` (torchrun's agent) and
+``ACCELERATE_*`` (``accelerate launch``'s plugins: ``ACCELERATE_USE_DEEPSPEED`` makes
+``PartialState()`` start DeepSpeed's process group). ``ACCELERATE_USE_CPU`` is kept."""
+
+
+def without_launcher(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less the launcher's variables (:data:`LAUNCHER_VARIABLES`,
+    :data:`LAUNCHER_PREFIXES`): the environment of one process outside any launch."""
+    return {k: v for k, v in environ.items()
+            if k not in LAUNCHER_VARIABLES and (k == "ACCELERATE_USE_CPU" or not k.startswith(LAUNCHER_PREFIXES))}
+
+
 @contextmanager
-def kernel_environment(cfg: RunConfig) -> Iterator[None]:
-    """Make the notebook kernel import this ``rlver_lib`` and use ``cfg.threads``."""
+def single_process_environment() -> Iterator[None]:
+    """Run the ``with`` body (and the processes it starts) as one process outside any
+    launch (:func:`without_launcher`); ``os.environ`` is restored afterwards. Rank 0's
+    stages other than training, and ``rlver eval``, run so: the other ranks never join
+    their process group, so ``PartialState()`` (the vLLM backend, lm-eval's
+    ``Accelerator()``) would block for ever under the launch's variables (docs/GPU.md
+    "Multi-process runs")."""
     saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(without_launcher(saved))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextmanager
+def kernel_environment(cfg: RunConfig, stage: Stage | None = None) -> Iterator[None]:
+    """Make the kernel of ``stage`` import this ``rlver_lib`` and use ``cfg.threads``.
+    Only a stage marked ``distributed`` (training) keeps the launcher's variables; any
+    other (and a notebook of no stage, ``stage=None``) runs as one process outside the
+    launch (:func:`without_launcher`)."""
+    saved = dict(os.environ)
+    if stage is None or not stage.distributed:
+        os.environ.clear()
+        os.environ.update(without_launcher(saved))
     paths = [str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if cfg.threads:
@@ -251,18 +303,18 @@ def _run_stages(cfg: RunConfig, params_file: str | None, progress: bool) -> Path
                disable=not progress)
     current = None
     try:
-        with kernel_environment(cfg):
-            for current in stages:
-                if current.name in done:
-                    continue
-                bar.set_postfix_str(current.name)
+        for current in stages:
+            if current.name in done:
+                continue
+            bar.set_postfix_str(current.name)
+            with kernel_environment(cfg, current):
                 _run_stage(cfg, run_dir, current, manifest, manifest_path)
-                bar.update(1)
-            current = None
-            bar.close()
-            folder = RunFolder(run_dir)
-            report = render_report([folder.notebooks / s.output for s in stages],
-                                   folder.report, report_header(cfg, manifest))
+            bar.update(1)
+        current = None
+        bar.close()
+        folder = RunFolder(run_dir)
+        report = render_report([folder.notebooks / s.output for s in stages],
+                               folder.report, report_header(cfg, manifest))
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM under sigterm_as_interrupt
         bar.close()
         name = "SIGTERM" if isinstance(err, Terminated) else "SIGINT"
@@ -282,21 +334,34 @@ def _run_stages(cfg: RunConfig, params_file: str | None, progress: bool) -> Path
 FOLLOW_POLL_S = 2.0
 """How often a non-main rank re-reads the manifest while it waits for rank 0."""
 
+FOLLOW_MANIFEST_DEADLINE_S = 600.0
+"""How long a non-main rank waits for rank 0's ``manifest.json`` to appear at all. Rank 0
+writes it before its first stage, so a rank that never sees it is on another node
+without the run folder on a shared file system (docs/GPU.md "Several nodes")."""
+
 _follower_sleep = time.sleep  # a test replaces it to see the waiting rank's polls
 
 
-def _follow_pipeline(cfg: RunConfig, rank: int, *, poll_s: float | None = None) -> Path:
+class FollowerTimeout(PipelineError):
+    """A non-main rank saw no manifest within :data:`FOLLOW_MANIFEST_DEADLINE_S`."""
+
+
+def _follow_pipeline(cfg: RunConfig, rank: int, *, poll_s: float | None = None,
+                     manifest_deadline_s: float | None = None) -> Path:
     """A non-main rank of a multi-process launch: it runs the training stage only, the one
     stage that needs every process (its kernel inherits the launcher's environment), with
     the executed notebook under ``notebooks/rank<r>/``. Scenarios, the benchmarks
-    (baseline, evaluate: one judge, one writer of ``eval/<label>/``) and the analysis run
+    (baseline, trained: one judge, one writer of ``eval/<label>/``) and the analysis run
     once, on rank 0, which alone writes the manifest and the report.
 
     The rank waits until rank 0's manifest records the ``train`` stage running (rank 0
     has then written the scenarios and run the baseline) or complete (skipped then, as
-    rank 0 skips it), re-reading it every ``poll_s`` seconds (:data:`FOLLOW_POLL_S`). It
-    has no deadline of its own: rank 0's stages before training may take hours, and a
-    launcher (``torchrun``, ``accelerate launch``) stops every rank when rank 0 fails.
+    rank 0 skips it), re-reading it every ``poll_s`` seconds (:data:`FOLLOW_POLL_S`).
+    Raises :class:`FollowerTimeout` when no manifest appears within
+    ``manifest_deadline_s`` (:data:`FOLLOW_MANIFEST_DEADLINE_S`): the run folder is not
+    shared with rank 0. Once the manifest is there the wait has no deadline: rank 0's
+    stages before training may take hours, and a launcher (``torchrun``,
+    ``accelerate launch``) stops every rank when rank 0 fails.
     Returns the path of the report rank 0 writes."""
     run_dir = cfg.run_dir.resolve()
     report = RunFolder(run_dir).report
@@ -304,17 +369,24 @@ def _follow_pipeline(cfg: RunConfig, rank: int, *, poll_s: float | None = None) 
     if stage is None:
         return report
     poll_s = FOLLOW_POLL_S if poll_s is None else poll_s
+    limit_s = FOLLOW_MANIFEST_DEADLINE_S if manifest_deadline_s is None else manifest_deadline_s
+    deadline = time.monotonic() + limit_s
     while True:
         manifest = read_manifest(run_dir)
         if stage_complete(run_dir, manifest, stage):
             return report
         if manifest.get("stages", {}).get("train", {}).get("status") == "running":
             break
+        if not manifest and time.monotonic() > deadline:
+            raise FollowerTimeout(
+                f"rank {rank}: rank 0's {RunFolder(run_dir).manifest} did not appear within {limit_s:.0f} s; "
+                "on several nodes the run folder (output_root) must be on a file system every node "
+                "shares (docs/GPU.md \"Several nodes\")")
         _follower_sleep(poll_s)
     folder = RunFolder(run_dir).rank_notebooks(rank)
     config = folder / RunFolder(run_dir).config.name  # this rank's copy of config.yaml
     atomic_write_text(config, dump_config(cfg))
-    with kernel_environment(cfg):
+    with kernel_environment(cfg, stage):
         try:
             execute_notebook(stage.notebook, folder / stage.output,
                              {"params_file": str(config), "run_dir": str(run_dir),
