@@ -374,10 +374,29 @@ def gae(
     return advantages, returns
 
 
+def _turn_end_rewards(dialogue: int, reward: float | Sequence[float] | torch.Tensor,
+                      counts: list[int]) -> list[tuple[int, float]]:
+    """``(position in the dialogue's row of policy tokens, reward)`` pairs: a scalar
+    ``reward`` at the last policy token, one reward per turn at each turn's last."""
+    if not isinstance(reward, (Sequence, torch.Tensor)) or (isinstance(reward, torch.Tensor) and reward.dim() == 0):
+        return [(sum(counts) - 1, float(reward))] if sum(counts) else []
+    per_turn = [float(r) for r in reward]
+    if len(per_turn) != len(counts):
+        raise ValueError(f"dialogue {dialogue}: {len(per_turn)} turn rewards for {len(counts)} turns")
+    pairs, end = [], 0
+    for k, (n, r) in enumerate(zip(counts, per_turn)):
+        end += n
+        if n == 0 and r != 0:
+            raise ValueError(f"dialogue {dialogue}: turn {k} has a reward but no policy token")
+        if n:
+            pairs.append((end - 1, r))
+    return pairs
+
+
 def dialogue_gae(
     values: Sequence[Sequence[torch.Tensor]],
     masks: Sequence[Sequence[torch.Tensor]],
-    rewards: Sequence[float] | torch.Tensor,
+    rewards: Sequence[float | Sequence[float]] | torch.Tensor,
     *,
     gamma: float = 1.0,
     lam: float = 1.0,
@@ -385,8 +404,10 @@ def dialogue_gae(
     """PPO advantages for dialogues whose policy turns are separate samples.
 
     ``values[d][k]`` and ``masks[d][k]`` (``[T_dk]``): old values and policy-token mask
-    of turn ``k`` of dialogue ``d``, turns in order; ``rewards[d]``: the dialogue's
-    reward (RLVER: final emotion / 100), placed at its last policy token. The policy
+    of turn ``k`` of dialogue ``d``, turns in order; ``rewards[d]``: either the
+    dialogue's reward (RLVER: final emotion / 100), placed at its last policy token,
+    or one reward per turn (``training.credit: per_turn``, :mod:`rlver_lib.credit`),
+    each placed at the last policy token of its turn. The policy
     tokens of all turns of a dialogue are laid out in one row, in turn order, and
     :func:`gae` runs over the rows, so the chain crosses turn boundaries: the last
     token of turn ``k`` bootstraps from the first token of turn ``k + 1``.
@@ -396,7 +417,7 @@ def dialogue_gae(
     """
     if not (len(values) == len(masks) == len(rewards)):
         raise ValueError(f"{len(values)} value lists, {len(masks)} mask lists, {len(rewards)} rewards")
-    rows = []
+    rows, placed = [], []
     for d, (turn_values, turn_masks) in enumerate(zip(values, masks)):
         if len(turn_values) != len(turn_masks):
             raise ValueError(f"dialogue {d}: {len(turn_values)} value tensors for {len(turn_masks)} masks")
@@ -404,6 +425,7 @@ def dialogue_gae(
             _check_same_shape(values=v, mask=m)
         rows.append(torch.cat([v[m.bool()].float() for v, m in zip(turn_values, turn_masks)])
                     if turn_values else torch.zeros(0))
+        placed.append(_turn_end_rewards(d, rewards[d], [int(m.bool().sum()) for m in turn_masks]))
     width = max([len(r) for r in rows] + [1])
     flat_values = torch.zeros(len(rows), width)
     flat_mask = torch.zeros(len(rows), width)
@@ -411,8 +433,8 @@ def dialogue_gae(
     for i, row in enumerate(rows):
         flat_values[i, :len(row)] = row
         flat_mask[i, :len(row)] = 1.0
-        if len(row):
-            flat_rewards[i, len(row) - 1] = float(rewards[i])
+        for position, reward in placed[i]:
+            flat_rewards[i, position] += reward
     adv, ret = gae(flat_rewards, flat_values, flat_mask, gamma=gamma, lam=lam)
     advantages: list[list[torch.Tensor]] = []
     returns: list[list[torch.Tensor]] = []
@@ -568,3 +590,41 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     _check_same_shape(values=values, returns=returns, mask=mask)
     return explained_variance_from_moments(masked_moments(returns.float(), mask),
                                            masked_moments((returns - values).float(), mask))
+
+
+def between_group_share(rewards: torch.Tensor, group_ids: Sequence[Hashable] | torch.Tensor) -> float:
+    """Share of the rewards' variance that lies between groups (scenarios): the one-way
+    ANOVA ``η² = SS_between / SS_total`` with ``SS_between = Σ_g n_g (mean_g - mean)²``
+    and ``SS_total = Σ_i (r_i - mean)²``.
+
+    ``rewards`` ``[N]`` (one per dialogue), ``group_ids`` ``N`` labels. In [0, 1]; NaN
+    when all rewards are equal. A critic that sees the scenario but cannot tell two
+    replies to it apart explains at most this share of the returns' variance, so it
+    bounds the explained variance a young critic can reach.
+    """
+    labels = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    if rewards.dim() != 1 or len(labels) != rewards.numel():
+        raise ValueError(f"{len(labels)} group ids for rewards of shape {tuple(rewards.shape)}")
+    r = rewards.detach().double()
+    total = float(((r - r.mean()) ** 2).sum()) if r.numel() else 0.0
+    if total <= 1e-24:
+        return float("nan")
+    between = 0.0
+    for label in dict.fromkeys(labels):
+        group = r[[i for i, g in enumerate(labels) if g == label]]
+        between += group.numel() * float(group.mean() - r.mean()) ** 2
+    return between / total
+
+
+def critic_statistics(return_moments: torch.Tensor, value_moments: torch.Tensor,
+                      residual_moments: torch.Tensor) -> dict[str, float]:
+    """The critic's per-step diagnostics from :func:`masked_moments` of the returns, the
+    values and the residuals ``R - V`` over policy tokens (summed over processes by a
+    distributed caller): ``return_mean``, ``return_sd``, ``value_mean``, ``value_sd``
+    (population s.d., reward units) and ``explained_variance``
+    (:func:`explained_variance_from_moments`)."""
+    return_mean, return_var = moments_mean_var(return_moments)
+    value_mean, value_var = moments_mean_var(value_moments)
+    return {"return_mean": return_mean, "return_sd": return_var ** 0.5, "value_mean": value_mean,
+            "value_sd": value_var ** 0.5,
+            "explained_variance": explained_variance_from_moments(return_moments, residual_moments)}

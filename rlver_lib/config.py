@@ -256,6 +256,9 @@ class TrainingConfig(_Strict):
     weight_decay: float = Field(0.01, ge=0)  # AdamW, LoRA and value head (verl's actor default)
     # dialogues that ended in a simulator error: left out (drop) or trained on with reward 0
     error_dialogues: Literal["drop", "zero_reward"] = "drop"
+    # how the emotion becomes rewards on policy tokens (docs/ARCHITECTURE.md "Credit per turn"):
+    # final (RLVER), final_minus_initial (the critic's offset removed), per_turn (each turn's change)
+    credit: Literal["final", "final_minus_initial", "per_turn"] = "final"
     # truncated importance sampling when the rollout engine's sampling log-probs differ from
     # the learner's (vLLM): weight min(exp(old - sampling), is_cap) per token (TRL's defaults)
     is_correction: bool = True
