@@ -13,6 +13,8 @@ A finished build is also kept in the user's model cache, under a folder named by
 hash of its stamp (:func:`shared_build_dir`), so another checkout or virtual
 environment on a machine whose CPU gets the same options copies it instead of
 compiling again (7 minutes on 2 cores); a CPU that gets other options builds its own.
+The compiler's output goes to a log beside that folder (:func:`build_log`); the console
+gets one line per phase with its time, and on failure the log's tail and its path.
 
 ``python -m rlver_lib.native build`` builds it (what ``make setup`` runs);
 ``python -m rlver_lib.native cmake-args`` prints the flags for this CPU.
@@ -31,12 +33,15 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 from rlver_lib.files import atomic_directory, cache_dir
 
 LLAMA_CPP_SOURCE = "llama-cpp-python==0.3.36"
 BINARY = "llama-server"
+#: Lines of the build log shown when a phase fails (the rest stays in the log).
+LOG_TAIL_LINES = 40
 
 # (cmake option, the /proc/cpuinfo flags that must all be present)
 X86_OPTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -183,10 +188,50 @@ def amx_instruction_count(binary: Path) -> int | None:
     return count
 
 
-def _fetch_source(workdir: Path) -> Path:
+def build_log(args: list[str]) -> Path:
+    """The log of the build made with CMake ``args``: ``<shared_build_dir>.log``, beside
+    the machine-wide copy (:func:`shared_build_dir`); rewritten by each compilation."""
+    shared = shared_build_dir(args)
+    return shared.with_name(shared.name + ".log")
+
+
+def _say(message: str) -> None:
+    print(f"[rlver] {message}", file=sys.stderr, flush=True)
+
+
+def _log_tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _phase(name: str, command: list[str], log: Path) -> None:
+    """Run one build phase with its output appended to ``log``; print one line with its
+    time. Raises :class:`NativeBuildError` (after printing the log's last
+    :data:`LOG_TAIL_LINES` lines and its path) when the command fails or is missing."""
+    start = time.monotonic()
+    with log.open("a", encoding="utf-8") as out:
+        out.write(f"\n$ {' '.join(command)}\n")
+        out.flush()
+        try:
+            returncode = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL).returncode
+        except OSError as err:
+            raise NativeBuildError(f"{BINARY} {name}: cannot run {command[0]}: {err}") from None
+    took = time.monotonic() - start
+    if returncode:
+        _say(f"{BINARY} {name} FAILED after {took:.0f} s (exit status {returncode}); "
+             f"the last lines of {log}:\n{_log_tail(log)}")
+        raise NativeBuildError(f"{BINARY} {name} failed (exit status {returncode}); full log: {log}")
+    _say(f"{BINARY} {name}: {took:.0f} s")
+
+
+def _fetch_source(workdir: Path, log: Path) -> Path:
     """Download and unpack the pinned source distribution; returns llama.cpp's folder."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    "-d", str(workdir), LLAMA_CPP_SOURCE], check=True)
+    _phase("source download", [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                               "-d", str(workdir), LLAMA_CPP_SOURCE], log)
     archive = next(workdir.glob("llama_cpp_python-*.tar.gz"))
     with tarfile.open(archive) as tar:
         tar.extractall(workdir, filter="data")
@@ -201,8 +246,11 @@ def build(root: Path | None = None, *, source: Path | None = None, jobs: int | N
     compiles it from ``source`` (a llama.cpp folder; default: fetched from
     :data:`LLAMA_CPP_SOURCE`) and keeps a machine-wide copy. The binary and its stamp
     are written to a temporary folder and moved into place, so ``root`` (and the copy)
-    holds a complete build or none. Raises :class:`subprocess.CalledProcessError` when
-    cmake fails. Returns the binary's path.
+    holds a complete build or none. CMake's and the compiler's output go to
+    :func:`build_log`; the console gets one line per phase (source download, configure,
+    compile, install) with its time. Raises :class:`NativeBuildError` when a phase fails,
+    after printing the log's last :data:`LOG_TAIL_LINES` lines and its path. Returns the
+    binary's path.
     """
     root = root or install_dir()
     try:
@@ -223,19 +271,24 @@ def build(root: Path | None = None, *, source: Path | None = None, jobs: int | N
 
 
 def _compile(args: list[str], dest: Path, *, source: Path | None, jobs: int | None) -> None:
-    print(f"[rlver] building {BINARY} with {', '.join(enabled_options(args)) or 'native'} "
-          f"(AMX off); this takes several minutes", file=sys.stderr, flush=True)
     jobs = jobs or os.cpu_count() or 1
+    log = build_log(args)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(f"{BINARY} build for {' '.join(args)}\n", encoding="utf-8")
+    _say(f"building {BINARY} with {', '.join(enabled_options(args)) or 'native'} (AMX off), "
+         f"{jobs} jobs; this takes several minutes; log: {log}")
     with tempfile.TemporaryDirectory(prefix="rlver-llama-build-") as tmp:
         work = Path(tmp)
-        src = source or _fetch_source(work)
+        src = source or _fetch_source(work, log)
         out = work / "build"
-        subprocess.run(["cmake", "-S", str(src), "-B", str(out), *args], check=True)
-        subprocess.run(["cmake", "--build", str(out), "--target", BINARY, "-j", str(jobs)], check=True)
+        _phase("configure", ["cmake", "-S", str(src), "-B", str(out), *args], log)
+        _phase("compile", ["cmake", "--build", str(out), "--target", BINARY, "-j", str(jobs)], log)
+        start = time.monotonic()
         with atomic_directory(dest) as staged:
             (staged / "bin").mkdir()
             shutil.copy2(out / "bin" / BINARY, staged / "bin" / BINARY)
             (staged / "build.json").write_text(json.dumps(_fingerprint(args), indent=1), encoding="utf-8")
+        _say(f"{BINARY} install: {time.monotonic() - start:.0f} s ({dest})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,7 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "cmake-args":
         print(" ".join(cmake_args(cpu_flags())))
         return 0
-    print(build(source=args.source, jobs=args.jobs))
+    try:
+        print(build(source=args.source, jobs=args.jobs))
+    except NativeBuildError as err:
+        _say(str(err))
+        return 1
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -141,6 +142,79 @@ def test_a_build_is_compiled_once_per_cpu_options_and_copied_to_new_environments
     assert len(compiled) == 2 and compiled[1] != compiled[0]
     assert "-DGGML_AVX512=OFF" in third.read_text() and "-DGGML_AVX512=ON" in second.read_text()
     assert native.build_info(tmp_path / "venv1")["options"] == native.enabled_options(native.cmake_args(avx2))
+
+
+# A stand-in for cmake: floods stdout and stderr as a real llama.cpp build does (about
+# 14,600 lines of compiler warnings in CI), fails in the phase named by $FAKE_CMAKE_FAIL,
+# and otherwise leaves the binary where cmake --build puts it.
+FAKE_CMAKE = """
+import os, sys
+phase = "compile" if sys.argv[1] == "--build" else "configure"
+for i in range(3000 if phase == "compile" else 300):
+    print(f"{phase} output line {i}", flush=True)
+    print(f"{phase} warning line {i}", file=sys.stderr, flush=True)
+if os.environ.get("FAKE_CMAKE_FAIL") == phase:
+    sys.exit(2)
+if phase == "compile":
+    out = sys.argv[2]
+    os.makedirs(os.path.join(out, "bin"), exist_ok=True)
+    with open(os.path.join(out, "bin", "llama-server"), "w") as f:
+        f.write("a built binary")
+"""
+
+
+@pytest.fixture
+def fake_cmake(tmp_path, monkeypatch):
+    """cmake on PATH is :data:`FAKE_CMAKE`; the cache and this CPU's flags are fixed.
+    Returns the CMake arguments the build will use."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    executable_script(bin_dir / "cmake", FAKE_CMAKE)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))
+    flags = native.cpu_flags(f"flags : {AVX2_ONLY}")
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    (tmp_path / "src").mkdir()
+    return native.cmake_args(flags)
+
+
+def test_a_build_prints_one_line_per_phase_and_logs_the_compiler_output(tmp_path, fake_cmake, capfd):
+    binary = native.build(tmp_path / "venv", source=tmp_path / "src", jobs=2)
+    out, err = capfd.readouterr()
+    console = (out + err).splitlines()
+    assert len(console) <= 5, console  # the start line, configure, compile, install
+    for phase in ("configure", "compile", "install"):
+        assert len([line for line in console if re.search(rf"llama-server {phase}: \d+ s", line)]) == 1, console
+    log = native.build_log(fake_cmake)
+    assert log.parent == native.shared_build_dir(fake_cmake).parent and str(log) in console[0]
+    text = log.read_text()
+    assert "compile warning line 2999" in text and "configure output line 299" in text
+    assert binary.read_text() == "a built binary"
+    assert native.build_info(tmp_path / "venv")["cmake_args"] == fake_cmake  # the stamp is kept
+
+
+@pytest.mark.parametrize("phase", ["configure", "compile"])
+def test_a_failed_build_shows_the_logs_tail_and_path_and_leaves_no_build(tmp_path, fake_cmake, capfd, monkeypatch,
+                                                                          phase):
+    monkeypatch.setenv("FAKE_CMAKE_FAIL", phase)
+    log = native.build_log(fake_cmake)
+    with pytest.raises(native.NativeBuildError, match=re.escape(str(log))):
+        native.build(tmp_path / "venv", source=tmp_path / "src", jobs=2)
+    out, err = capfd.readouterr()
+    console = (out + err).splitlines()
+    assert len(console) <= native.LOG_TAIL_LINES + 4, len(console)
+    last = 2999 if phase == "compile" else 299
+    assert f"{phase} warning line {last}" in err and f"{phase} warning line {last - 30}" not in err
+    assert any(f"llama-server {phase} FAILED" in line and str(log) in line for line in console), console
+    assert f"{phase} warning line {last - 30}" in log.read_text()  # the whole output is in the log
+    assert not (tmp_path / "venv").exists() and not native.shared_build_dir(fake_cmake).exists()
+
+
+def test_the_build_command_exits_1_with_the_reason_when_a_phase_fails(tmp_path, fake_cmake, monkeypatch, capfd):
+    monkeypatch.setenv("FAKE_CMAKE_FAIL", "compile")
+    monkeypatch.setenv("RLVER_NATIVE_DIR", str(tmp_path / "venv"))
+    assert native.main(["build", "--source", str(tmp_path / "src")]) == 1
+    assert "failed (exit status 2); full log:" in capfd.readouterr().err
 
 
 # ---------------------------------------------------------------- crashing servers
