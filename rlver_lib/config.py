@@ -190,7 +190,7 @@ class UserModelConfig(EndpointConfig):
     # strong judges (the paper recipes do)
     appraisal_chars: int = Field(200, ge=20)
     message_chars: int = Field(400, ge=20)
-    appraisal: Literal["expected", "sage", "first_person"] = "first_person"
+    appraisal: Literal["expected", "sage", "first_person", "learned"] = "first_person"
     # calibrated on 64 turns of SAGE's stored dialogues (benchmarks/judge_calibration.py,
     # docs/MEASURED.md): the embedded 1.5B model's P(yes) spreads little (SD 0.03)
     expected_questions: list[Literal["on_situation", "understood", "intention"]] = Field(

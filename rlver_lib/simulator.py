@@ -46,6 +46,7 @@ from rlver_lib.appraisal import (
     parse_reply,
     reply_schema,
 )
+from rlver_lib.appraiser import LearnedAppraisal
 from rlver_lib.backends import (
     BackendDied,
     BackendError,
@@ -142,6 +143,7 @@ class UserSimulator(Closing):
         self.cfg = sim_cfg or SimulatorConfig()
         self.seed = seed
         self.fatal_error: str | None = None
+        self.learned = LearnedAppraisal() if self.cfg.appraisal == "learned" else None  # rlver_lib.appraiser
         if self.cfg.appraisal == "expected" and not hasattr(backend, "next_token_logprobs"):
             raise TypeError(f"simulator.appraisal 'expected' needs a backend with next_token_logprobs; "
                             f"{type(backend).__name__} has none (use appraisal 'sage')")
@@ -204,6 +206,11 @@ class UserSimulator(Closing):
         for request in requests:
             if not request.history or request.history[-1]["role"] != "assistant":
                 raise ValueError(f"{request.dialogue_id}: history must end with the policy reply")
+        if self.learned is not None:  # no model call: a head on the simulator model's embeddings
+            appraisals = self.learned(requests)
+            return (list(requests), [0] * len(requests), appraisals,
+                    [apply_change(r.emotion, a["change"]) for r, a in zip(requests, appraisals)],
+                    [StructuredResult() for _ in requests])
         mode = self.cfg.appraisal
         if mode == "expected":
             render = lambda r: checklist_messages(r, checklist(r.scenario)[-1])  # noqa: E731
@@ -334,7 +341,7 @@ class UserSimulator(Closing):
         replies: list[Any] = [None] * len(requests)
         reply_logs = [StructuredResult() for _ in requests]
         if ok:
-            reasoning = self.cfg.appraisal != "expected"
+            reasoning = self.cfg.appraisal not in ("expected", "learned")
             got, logs = self._structured(
                 [reply_messages(fitted[i], appraisals[i], updated[i][1]) for i in ok],
                 reply_schema(self.cfg.appraisal_chars, self.cfg.message_chars, reasoning=reasoning),

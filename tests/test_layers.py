@@ -17,8 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlver_lib"
 LAYERS: list[tuple[str, set[str]]] = [
     ("data and config", {"config", "params", "files", "stats"}),
     ("backends", {"native", "backends", "openai_backend", "servers", "vllm_backend", "vllm_server"}),
-    ("simulator and rollout", {"scenarios", "appraisal", "user_prompts", "simulator", "models", "rollout", "records",
-                               "character", "plots"}),
+    ("simulator and rollout", {"scenarios", "appraisal", "appraiser", "user_prompts", "simulator", "models",
+                               "rollout", "records", "character", "plots"}),
     ("algorithms and trainer", {"algorithms", "credit", "checkpoint", "learner", "trainer"}),
     ("evaluation", {"evaluation.*"}),
     ("analysis", {"analysis.*"}),

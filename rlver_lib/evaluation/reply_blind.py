@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from rlver_lib.appraiser import covariates
 from rlver_lib.stats import row_corr
 
 #: Fixed reply-blind predictors of a turn's change (:func:`reply_blind_predictors`):
@@ -38,24 +39,9 @@ BASELINES: dict[str, tuple[str, tuple[str, ...]]] = {
                 ("spearman", "sign_agreement", "mae")),
 }
 
-#: Column names of :func:`covariates`.
-COVARIATES = ("emotion_before", "previous_change", "turn", "reply_chars")
-
-
 def file_of(turn: Any) -> str:
     """The file label of a turn: its ``dialogue`` (``<file>:<record id>``) before the last colon."""
     return turn.dialogue.rsplit(":", 1)[0]
-
-
-def covariates(turns: Sequence[Any], history: Sequence[Any] = ()) -> np.ndarray:
-    """The reply-blind covariates of ``turns``, shape (n, 4) in :data:`COVARIATES` order:
-    the emotion before (0-100), the previous change (SAGE's recorded change of the same
-    dialogue's turn ``turn - 1``, looked up among ``turns`` and ``history``; 0 on a first
-    turn or when that turn is not replayable), the 0-based policy-turn index and the
-    reply's length in characters."""
-    recorded = {(t.dialogue, t.turn): t.recorded_change for t in [*history, *turns]}
-    return np.array([[t.emotion_before, recorded.get((t.dialogue, t.turn - 1), 0), t.turn,
-                      len(t.history[-1]["content"])] for t in turns], dtype=float)
 
 
 def reply_blind_predictors(turns: Sequence[Any]) -> dict[str, np.ndarray]:
