@@ -10,6 +10,7 @@ its own: the :class:`~rlver_lib.trainer.Trainer` drives these, step by step.
 
 from __future__ import annotations
 
+import copy
 import math
 import resource
 from collections import defaultdict
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rlver_lib import algorithms
+from rlver_lib import algorithms, credit
 from rlver_lib.config import RunConfig, TrainingConfig
 
 
@@ -185,6 +186,66 @@ def ppo_sample_advantages(samples: list[Sample], rewards: dict[str, float], *, g
             s.advantages, s.returns = a, r
 
 
+def grpo_turn_sample_advantages(samples: list[Sample], turn_rewards: dict[str, list[float]], *,
+                                scale_rewards: bool) -> tuple[list[Sample], int, int]:
+    """GRPO with ``training.credit: per_turn``: the tokens of turn ``t`` carry
+    :func:`~rlver_lib.credit.grpo_turn_advantages` at ``t``. Returns as
+    :func:`grpo_sample_advantages`; samples of zero-variance groups are left out."""
+    by_dialogue: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        by_dialogue[s.dialogue_id].append(s)
+    turns = {d: sorted(group, key=lambda s: s.turn) for d, group in by_dialogue.items()}
+    dialogues = list(turns)
+    groups = [turns[d][0].group_id for d in dialogues]
+    advantages, zero_variance = credit.grpo_turn_advantages(
+        [turn_rewards[d][:len(turns[d])] for d in dialogues], groups, scale_rewards=scale_rewards)
+    informative = {g for g, a in zip(groups, advantages) if any(a)}
+    kept = []
+    for d, g, adv in zip(dialogues, groups, advantages):
+        for s, a in zip(turns[d], adv):
+            s.advantages = s.mask * a
+        if g in informative:
+            kept.extend(turns[d])
+    return kept, zero_variance, len(set(groups))
+
+
+def credit_turn_rewards(trajectories: Sequence[Any], training: TrainingConfig) -> dict[str, list[float]] | None:
+    """Each dialogue's rewards per policy turn under ``training.credit``
+    (:func:`~rlver_lib.credit.credit_rewards`, scaled by ``reward_scale``, the format
+    penalty on the last turn); ``None`` under ``final``, whose dialogue reward
+    (:func:`train_reward`) goes on the last token as before. An ``error`` dialogue
+    keeps, under ``per_turn``, the rewards of the turns before the simulator failed;
+    under ``final_minus_initial`` it gets 0s (trained only with ``error_dialogues: zero_reward``)."""
+    if training.credit == "final":
+        return None
+    rewards = {}
+    for t in trajectories:
+        emotions = credit.policy_turn_emotions(t.transcript)
+        if t.termination == "error" and training.credit != "per_turn":
+            rewards[t.dialogue_id] = [0.0] * len(emotions)
+            continue
+        rewards[t.dialogue_id] = credit.credit_rewards(
+            training.credit, t.final_emotion, t.initial_emotion, emotions, scale=training.reward_scale,
+            penalty=training.format_penalty if t.format_violations else 0.0)
+    return rewards
+
+
+def rewarded_turns(samples: list[Sample], turn_rewards: dict[str, list[float]]) -> tuple[list[Sample], int]:
+    """The samples of turns that have a reward (a dialogue's first ``len(turn_rewards[d])``
+    turns) and the number of turns left out: those on or after a failed simulator turn,
+    not trained as a change of 0."""
+    by_dialogue: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        by_dialogue[s.dialogue_id].append(s)
+    kept, dropped = [], 0
+    for d, group in by_dialogue.items():
+        ordered = sorted(group, key=lambda s: s.turn)
+        n = len(turn_rewards[d])
+        kept.extend(ordered[:n])
+        dropped += len(ordered[n:])
+    return kept, dropped
+
+
 def train_reward(trajectory: Any, format_penalty: float, reward_scale: float = 1.0) -> float:
     """The reward a dialogue is trained on: ``reward_scale`` x its reward (final emotion /
     100, in [0, 1]; RLVER §3), minus ``format_penalty`` when a policy turn broke the
@@ -312,6 +373,21 @@ def score_old(model: PolicyWithValueHead, samples: list[Sample], *, batch_size: 
                 s.old_values = out["values"][i, :n].cpu()
 
 
+def explained_variance_after(model: PolicyWithValueHead, samples: list[Sample], collect: Collectives, *,
+                             batch_size: int, pad_id: int, device: torch.device) -> float:
+    """PPO: the explained variance of the critic after the step's updates, on the same
+    samples and returns as the step's ``explained_variance`` (before them): one more
+    forward pass of the unwrapped model, no gradient, over every process's samples."""
+    after = [copy.copy(s) for s in samples]
+    score_old(model, after, batch_size=batch_size, pad_id=pad_id, device=device, reference=False)
+    zero = torch.zeros(3, dtype=torch.float64)
+    returns = sum((algorithms.masked_moments(s.returns, s.mask) for s in samples), zero)
+    residuals = sum((algorithms.masked_moments(s.returns - a.old_values, s.mask) for s, a in zip(samples, after)),
+                    zero)
+    total = collect.sum(torch.cat([returns, residuals]))
+    return algorithms.explained_variance_from_moments(total[:3], total[3:])
+
+
 def micro_batch_loss(prepared: nn.Module, batch: dict[str, torch.Tensor], training: TrainingConfig, *,
                  max_new_tokens: int, tokens: float, rows: float) -> tuple[torch.Tensor, dict[str, float]]:
     """The micro-batch's share of its window's loss (all terms in view, as in CleanRL) and
@@ -379,17 +455,27 @@ class Collectives:
 
 
 def assign_advantages(samples: list[Sample], rewards: dict[str, float], training: TrainingConfig,
-                      collect: Collectives) -> tuple[list[Sample], dict[str, float], dict[str, float]]:
+                      collect: Collectives, turn_rewards: dict[str, list[float]] | None = None,
+                      ) -> tuple[list[Sample], dict[str, float], dict[str, float]]:
     """Advantages (and PPO returns) for ``samples``; returns the samples to train on,
-    the step's sample statistics summed over processes, and the explained variance
-    and largest sampling log-prob gap over processes."""
-    zero_variance = groups = 0
+    the step's sample statistics summed over processes, and the critic's statistics
+    (:func:`~rlver_lib.algorithms.critic_statistics`) and largest sampling log-prob gap
+    over processes. ``turn_rewards`` (:func:`credit_turn_rewards`, ``None`` under
+    ``training.credit: final``) replaces ``rewards`` with rewards per turn."""
+    zero_variance = groups = failed_turns = 0
+    if turn_rewards is not None:
+        samples, failed_turns = rewarded_turns(samples, turn_rewards)
     gaps = [algorithms.logprob_gap(s.old_logprobs, s.sampling_logprobs, s.mask) for s in samples]
-    if training.algorithm == "grpo":
-        samples, zero_variance, groups = grpo_sample_advantages(samples, rewards,
+    if training.algorithm == "grpo" and training.credit == "per_turn":
+        samples, zero_variance, groups = grpo_turn_sample_advantages(samples, turn_rewards,
+                                                                     scale_rewards=training.scale_rewards)
+    elif training.algorithm == "grpo":
+        dialogue_rewards = rewards if turn_rewards is None else {d: sum(r) for d, r in turn_rewards.items()}
+        samples, zero_variance, groups = grpo_sample_advantages(samples, dialogue_rewards,
                                                                 scale_rewards=training.scale_rewards)
     else:
-        ppo_sample_advantages(samples, rewards, gamma=training.gamma, lam=training.lam)
+        ppo_sample_advantages(samples, rewards if turn_rewards is None else turn_rewards,
+                              gamma=training.gamma, lam=training.lam)
         if training.whiten_advantages:  # over every process's policy tokens
             moments = collect.sum(sum((algorithms.masked_moments(s.advantages, s.mask) for s in samples),
                                     torch.zeros(3, dtype=torch.float64)))
@@ -400,17 +486,21 @@ def assign_advantages(samples: list[Sample], rewards: dict[str, float], training
                          torch.zeros(3, dtype=torch.float64))
     residual_moments = sum((algorithms.masked_moments(s.returns - s.old_values, s.mask) for s in samples if ppo),
                            torch.zeros(3, dtype=torch.float64))
+    value_moments = sum((algorithms.masked_moments(s.old_values, s.mask) for s in samples if ppo),
+                        torch.zeros(3, dtype=torch.float64))
+    names = ("samples", "policy_tokens", "train_tokens", "zero_variance_groups", "groups", "gap_sum", "gap_count",
+             "failed_turns")
     local = torch.cat([torch.tensor([
         len(samples), sum(float(s.mask.sum()) for s in samples),
         sum(s.input_ids.numel() for s in samples) * training.epochs_per_step, zero_variance, groups,
-        sum(float(g[0]) for g in gaps), sum(float(g[2]) for g in gaps)], dtype=torch.float64),
-        return_moments, residual_moments])
+        sum(float(g[0]) for g in gaps), sum(float(g[2]) for g in gaps), failed_turns], dtype=torch.float64),
+        return_moments, residual_moments, value_moments])
     total = collect.sum(local)
-    names = ("samples", "policy_tokens", "train_tokens", "zero_variance_groups", "groups", "gap_sum", "gap_count")
-    sums = dict(zip(names, total[:7].tolist()))
+    k = len(names)
+    sums = dict(zip(names, total[:k].tolist()))
     extra = {"logprob_gap_max": float(collect.max(torch.tensor([max([float(g[1]) for g in gaps] + [0.0])])))}
     if ppo:
-        extra["explained_variance"] = algorithms.explained_variance_from_moments(total[7:10], total[10:13])
+        extra.update(algorithms.critic_statistics(total[k:k + 3], total[k + 6:k + 9], total[k + 3:k + 6]))
     return samples, sums, extra
 
 
@@ -480,6 +570,11 @@ def step_metrics(records: Sequence[dict[str, Any]], sums: dict[str, float], upda
         "samples": int(sums["samples"]),
         "learning_rate": fields["learning_rate"],
         "explained_variance": fields.get("explained_variance", nan),
+        "explained_variance_after": fields.get("explained_variance_after", nan),
+        **{k: fields.get(k, nan) for k in ("return_mean", "return_sd", "value_mean", "value_sd")},
+        "reward_between_group_share": (algorithms.between_group_share(
+            torch.tensor(reward), [r["group_id"] for r in records]) if len(reward) else nan),
+        "failed_turns": int(sums.get("failed_turns", 0)),
         "logprob_gap_mean": sums["gap_sum"] / sums["gap_count"] if sums["gap_count"] else nan,
         "logprob_gap_max": fields.get("logprob_gap_max", nan) if sums["gap_count"] else nan,
     })

@@ -37,6 +37,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from rlver_lib import credit
 from rlver_lib.backends import Closing, PolicyBackend, close_backend
 from rlver_lib.checkpoint import Checkpoints
 from rlver_lib.config import ConfigError, RunConfig, TrainingConfig, training_problems
@@ -49,8 +50,10 @@ from rlver_lib.learner import (
     batch_problems,
     build_model,
     collate,
+    credit_turn_rewards,
     dialogue_windows,
     empty_sample,
+    explained_variance_after,
     micro_batch_loss,
     optimizer_groups,
     optimizer_steps_per_epoch,
@@ -276,6 +279,9 @@ class Trainer(Closing):
             raise TrainerError(f"policy_backend {type(policy_backend).__name__} has no sync_policy(model, step): "
                                "the trainer could not hand it the updated policy (rlver_lib.backends.PolicyBackend)")
         training = cfg.training
+        note = credit.one_turn_note(training.credit, training.algorithm) if cfg.rollout.max_turns == 1 else None
+        if note:
+            warnings.warn(note, stacklevel=2)
         sample_scenario_indices(len(train_scenarios), 0, training.scenarios_per_step, cfg.seed)  # fail early
         self.cfg, self.training, self.scenarios = cfg, training, list(train_scenarios)
         self.accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps,
@@ -392,15 +398,20 @@ class Trainer(Closing):
 
         rewards = {t.dialogue_id: train_reward(t, training.format_penalty, training.reward_scale)
                    for t in trajectories}
-        trained = [t for t in trajectories
-                   if t.samples and (t.termination != "error" or training.error_dialogues == "zero_reward")]
+        turn_rewards = credit_turn_rewards(trajectories, training)
+        trained = [t for t in trajectories if t.samples and (t.termination != "error" or training.credit == "per_turn"
+                                                             or training.error_dialogues == "zero_reward")]
         samples = samples_from_trajectories(trained)
         update_start = time.perf_counter()
         score_old(self.model, samples, batch_size=scoring_batch_size(samples, training, accelerator.num_processes),
                   pad_id=self.pad_id,
                   device=accelerator.device, reference=training.kl_coef > 0)
-        samples, sums, extra = assign_advantages(samples, rewards, training, self.collect)
+        samples, sums, extra = assign_advantages(samples, rewards, training, self.collect, turn_rewards)
         update = self._update(samples, step_seed)
+        if training.algorithm == "ppo":
+            extra["explained_variance_after"] = explained_variance_after(
+                self.model, samples, self.collect, pad_id=self.pad_id, device=accelerator.device,
+                batch_size=scoring_batch_size(samples, training, accelerator.num_processes))
         learning_rate = self.optimizer.param_groups[0]["lr"]  # the rate this step's update used
         self.scheduler.step()
         update_s = time.perf_counter() - update_start
