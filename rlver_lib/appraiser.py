@@ -1,5 +1,5 @@
 """The learned appraiser: a ridge head on frozen features of the embedded simulator
-model, fitted to SAGE's stored judgements (docs/BENCHMARK.md "Judge agreement";
+model, fitted to SAGE's stored judgements (docs/BENCHMARK.md "Measuring a judge before trusting it";
 issue "an emotion reward that reads the reply").
 
 Feature recipe (:data:`RECIPE`): the input token embeddings of Qwen2.5-Coder-1.5B-Instruct
