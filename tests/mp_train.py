@@ -24,7 +24,8 @@ plus optional keys:
   ``train/hanging_rank<r>``: a fixed point for the test to kill the launch at.
 
 Each run writes ``rank<r>.json`` into its ``train/`` folder: the launch as accelerate
-saw it, the process group's collective timeout, a checksum of the trained LoRA
+saw it, the ``torch.optim.AdamW.step`` calls of its last ``train()`` (counted by a
+wrapper), the process group's collective timeout, a checksum of the trained LoRA
 weights, the step the run resumed from, the dtypes of the trainable weights (and,
 under DeepSpeed, of ZeRO's master copy), the step-1 replies of this process and the
 scenarios whose dialogues failed.
@@ -120,6 +121,22 @@ def _process_group_timeout_s() -> float | None:
     return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
 
+ADAMW_STEPS = [0]
+"""``torch.optim.AdamW.step`` calls in this process since the last reset (:func:`count_adamw_steps`)."""
+
+
+def count_adamw_steps() -> None:
+    """Count every ``torch.optim.AdamW.step`` (the trainer's one optimizer; under DeepSpeed
+    ZeRO's optimizer steps it): the updates that really happened, not the trainer's count."""
+    step = torch.optim.AdamW.step
+
+    def counted(self, *args, **kwargs):
+        ADAMW_STEPS[0] += 1
+        return step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = counted
+
+
 def train(run: dict) -> list[dict]:
     """Train as ``run`` says; returns the metrics rows (and writes ``rank<r>.json``)."""
     from rlver_lib.trainer import Trainer
@@ -150,6 +167,7 @@ def train(run: dict) -> list[dict]:
         if run.get("one_by_one", True):
             trainer.policy_backend = OneByOne(trainer.policy_backend, trainer.step)
     resumed_from = trainer.step
+    ADAMW_STEPS[0] = 0
     rows = trainer.train()
     accelerator = trainer.accelerator
     lora = sum(float(p.double().sum()) for n, p in trainer.model.policy.named_parameters() if "lora_" in n)
@@ -159,7 +177,7 @@ def train(run: dict) -> list[dict]:
     info = {"process_index": accelerator.process_index, "num_processes": accelerator.num_processes,
             "distributed_type": str(accelerator.distributed_type), "lora_checksum": lora,
             "steps": [r["step"] for r in rows], "timeout_s": _process_group_timeout_s(),
-            "resumed_from": resumed_from, "optimizer": type(zero).__name__,
+            "resumed_from": resumed_from, "optimizer": type(zero).__name__, "adamw_steps": ADAMW_STEPS[0],
             "trainable_dtypes": {n: str(p.dtype) for n, p in trainer.model.named_parameters()
                                  if p.requires_grad and ("lora_A" in n and "layers.0." in n or "value_head" in n)},
             "master_dtypes": sorted({str(t.dtype) for t in masters}) if masters else None,
@@ -179,6 +197,7 @@ def pipeline(config: dict) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
+    count_adamw_steps()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         import deepspeed.ops
 
