@@ -34,11 +34,19 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from rlver_lib.files import atomic_directory, cache_dir
 
 LLAMA_CPP_SOURCE = "llama-cpp-python==0.3.36"
+#: The source distribution's file on PyPI and its sha256 (PyPI's simple index lists
+#: both). Fetched directly: ``pip download`` of an sdist first installs its build
+#: backend to read its metadata (about 70 s of a cold set-up, for nothing).
+LLAMA_CPP_SDIST_URL = ("https://files.pythonhosted.org/packages/ec/e9/"
+                       "e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/"
+                       "llama_cpp_python-0.3.36.tar.gz")
+LLAMA_CPP_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 BINARY = "llama-server"
 #: Lines of the build log shown when a phase fails (the rest stays in the log).
 LOG_TAIL_LINES = 40
@@ -228,13 +236,36 @@ def _phase(name: str, command: list[str], log: Path) -> None:
     _say(f"{BINARY} {name}: {took:.0f} s")
 
 
+def _download(url: str, sha256: str, dest: Path) -> None:
+    """Stream ``url`` to ``dest``; raises :class:`NativeBuildError` on a network error or a
+    file whose sha256 is not ``sha256`` (and then leaves no file)."""
+    digest = hashlib.sha256()
+    try:
+        with urllib.request.urlopen(url, timeout=180) as response, dest.open("wb") as out:
+            while chunk := response.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+    except OSError as err:
+        dest.unlink(missing_ok=True)
+        raise NativeBuildError(f"{BINARY} source download: cannot fetch {url}: {err}; download it by hand, "
+                               f"unpack it and pass its vendor/llama.cpp folder with --source") from None
+    if digest.hexdigest() != sha256:
+        dest.unlink()
+        raise NativeBuildError(f"{BINARY} source download: {url} has sha256 {digest.hexdigest()}, "
+                               f"expected {sha256}")
+
+
 def _fetch_source(workdir: Path, log: Path) -> Path:
-    """Download and unpack the pinned source distribution; returns llama.cpp's folder."""
-    _phase("source download", [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                               "-d", str(workdir), LLAMA_CPP_SOURCE], log)
-    archive = next(workdir.glob("llama_cpp_python-*.tar.gz"))
+    """Download (:data:`LLAMA_CPP_SDIST_URL`, checked against its sha256) and unpack the
+    pinned source distribution; returns llama.cpp's folder."""
+    start = time.monotonic()
+    archive = workdir / LLAMA_CPP_SDIST_URL.rsplit("/", 1)[1]
+    with log.open("a", encoding="utf-8") as out:
+        out.write(f"\n$ download {LLAMA_CPP_SDIST_URL} (sha256 {LLAMA_CPP_SDIST_SHA256})\n")
+    _download(LLAMA_CPP_SDIST_URL, LLAMA_CPP_SDIST_SHA256, archive)
     with tarfile.open(archive) as tar:
         tar.extractall(workdir, filter="data")
+    _say(f"{BINARY} source download: {time.monotonic() - start:.0f} s")
     return next(workdir.glob("llama_cpp_python-*/vendor/llama.cpp"))
 
 

@@ -193,6 +193,42 @@ def test_a_build_prints_one_line_per_phase_and_logs_the_compiler_output(tmp_path
     assert native.build_info(tmp_path / "venv")["cmake_args"] == fake_cmake  # the stamp is kept
 
 
+@pytest.fixture
+def file_server(tmp_path):
+    """A real HTTP server on loopback serving ``tmp_path / "served"``; yields its base URL."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    folder = tmp_path / "served"
+    folder.mkdir()
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(folder))
+    handler.log_message = lambda *args: None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_source_is_downloaded_directly_and_checked_against_its_sha256(tmp_path, file_server):
+    import hashlib
+
+    payload = os.urandom(3 << 20)  # several read chunks
+    (tmp_path / "served" / "src.tar.gz").write_bytes(payload)
+    good = hashlib.sha256(payload).hexdigest()
+    native._download(f"{file_server}/src.tar.gz", good, tmp_path / "got.tar.gz")
+    assert (tmp_path / "got.tar.gz").read_bytes() == payload
+    with pytest.raises(native.NativeBuildError, match=f"expected {'0' * 64}"):
+        native._download(f"{file_server}/src.tar.gz", "0" * 64, tmp_path / "bad.tar.gz")
+    assert not (tmp_path / "bad.tar.gz").exists()  # a file that fails its hash is not kept
+    with pytest.raises(native.NativeBuildError, match="--source"):
+        native._download(f"{file_server}/missing.tar.gz", good, tmp_path / "none.tar.gz")
+    assert not (tmp_path / "none.tar.gz").exists()
+
+
 @pytest.mark.parametrize("phase", ["configure", "compile"])
 def test_a_failed_build_shows_the_logs_tail_and_path_and_leaves_no_build(tmp_path, fake_cmake, capfd, monkeypatch,
                                                                           phase):
