@@ -287,6 +287,27 @@ def batch_problems(training: TrainingConfig, num_processes: int) -> list[str]:
     return problems
 
 
+def batch_notes(training: TrainingConfig, num_processes: int) -> list[str]:
+    """Batch settings that run but waste work, each with its remedy (empty when none).
+
+    Each process splits its ``mini_batch_size / num_processes`` dialogues of an
+    optimizer step (all their turns) into ``grad_accum_steps`` micro-batches. With fewer
+    dialogues than micro-batches, a dialogue shorter than ``grad_accum_steps /
+    (dialogues a process)`` turns leaves micro-batches without a sample, and each still
+    runs a zero-weight forward and backward pass (every process must join every
+    collective): e.g. PPO with 8 dialogues an optimizer step on 8 GPUs and
+    ``grad_accum_steps: 4`` (docs/GPU.md section 4)."""
+    share = training.mini_batch_size // num_processes
+    if share and training.grad_accum_steps > share:
+        return [f"training.grad_accum_steps={training.grad_accum_steps} micro-batches for the {share} "
+                f"dialogue(s) each of the {num_processes} process(es) holds of an optimizer step "
+                f"(training.mini_batch_size {training.mini_batch_size}): dialogues of fewer than "
+                f"{math.ceil(training.grad_accum_steps / share)} turns leave micro-batches empty, and each "
+                f"still runs a zero-weight forward and backward pass; set training.grad_accum_steps={share} "
+                f"(the gradient is the same)"]
+    return []
+
+
 def optimizer_steps_per_epoch(dialogues: int, mini_batch_size: int) -> int:
     """Optimizer steps of one pass over ``dialogues`` trained dialogues (all processes):
     ``ceil(dialogues / mini_batch_size)``. All of a step's dialogues make

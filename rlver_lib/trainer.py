@@ -47,6 +47,7 @@ from rlver_lib.learner import (
     Collectives,
     Sample,
     assign_advantages,
+    batch_notes,
     batch_problems,
     build_model,
     collate,
@@ -291,6 +292,8 @@ class Trainer(Closing):
         problems = batch_problems(training, self.accelerator.num_processes)
         if problems:
             raise ConfigError("; ".join(problems))
+        for batch_note in batch_notes(training, self.accelerator.num_processes):
+            warnings.warn(batch_note, stacklevel=2)
         configure_deepspeed(self.accelerator, training)
         self.folder = RunFolder(cfg.run_dir)
         set_seed(cfg.seed)

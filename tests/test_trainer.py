@@ -20,6 +20,7 @@ from rlver_lib.config import EMBEDDED_POLICY, ConfigError
 from rlver_lib.files import iter_jsonl
 from rlver_lib.learner import (
     Sample,
+    batch_notes,
     batch_problems,
     dialogue_windows,
     grpo_sample_advantages,
@@ -253,6 +254,17 @@ def test_batch_sizes_are_global_dialogues_and_must_divide():
     assert "mini_batch_size=5" in problem and "the 12 dialogues of a step" in problem
     (problem,) = batch_problems(_training(scenarios_per_step=4, group_size=1, mini_batch_size=2), 4)
     assert "mini_batch_size=2" in problem and "over 4 processes" in problem
+
+
+def test_more_micro_batches_than_a_processes_dialogues_is_a_note_naming_the_remedy():
+    # the paper's PPO without thinking on 8 GPUs: 8 dialogues an optimizer step, 1 a process, 4 micro-batches
+    training = _training(scenarios_per_step=32, group_size=1, mini_batch_size=8, grad_accum_steps=4)
+    assert batch_notes(training, 1) == [] and batch_notes(training, 2) == []  # 8 and 4 dialogues a process
+    (note,) = batch_notes(training, 8)
+    assert "1 dialogue(s) each of the 8 process(es)" in note and "fewer than 4 turns" in note
+    assert "set training.grad_accum_steps=1" in note
+    (note,) = batch_notes(training, 4)  # 2 a process: one-turn dialogues leave 2 of 4 micro-batches empty
+    assert "fewer than 2 turns" in note and "grad_accum_steps=2" in note
 
 
 def _global_windows(dialogues: int, mini_batch: int, processes: int) -> list[list[int]]:
