@@ -35,17 +35,20 @@ def check_credit(credit: str) -> Credit:
     return credit  # type: ignore[return-value]
 
 
+_ONE_TURN_PER_TURN = {
+    "grpo": ("training.credit: per_turn with one-turn dialogues: for GRPO it is the same signal as "
+             "'final' (one turn's reward-to-go is final - initial, and every dialogue of a group starts "
+             "at the same emotion); the leave-one-out baseline scales the advantages by N/(N-1)"),
+    "ppo": ("training.credit: per_turn with one-turn dialogues: for PPO it differs from 'final' only by the "
+            "initial emotion's offset (the reward is (final - initial) / 100 instead of final / 100)"),
+}
+
+
 def one_turn_note(credit: str, algorithm: str) -> str | None:
-    """The warning for ``per_turn`` credit on one-turn dialogues (``rollout.max_turns: 1``),
+    """The warning for ``per_turn`` credit on one-turn dialogues (``rollout.max_turns: 1``)
+    under the algorithm named ``algorithm`` (:attr:`rlver_lib.algorithm_objects.Algorithm.name`),
     or ``None`` when there is nothing to say."""
-    if credit != "per_turn":
-        return None
-    if algorithm == "grpo":
-        return ("training.credit: per_turn with one-turn dialogues: for GRPO it is the same signal as "
-                "'final' (one turn's reward-to-go is final - initial, and every dialogue of a group starts "
-                "at the same emotion); the leave-one-out baseline scales the advantages by N/(N-1)")
-    return ("training.credit: per_turn with one-turn dialogues: for PPO it differs from 'final' only by the "
-            "initial emotion's offset (the reward is (final - initial) / 100 instead of final / 100)")
+    return _ONE_TURN_PER_TURN[algorithm] if credit == "per_turn" else None
 
 
 def _clamp(emotion: float) -> float:

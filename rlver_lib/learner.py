@@ -2,10 +2,12 @@
 PPO / GRPO over multi-turn dialogues; docs/ARCHITECTURE.md "Code map").
 
 The policy with its value head (:class:`PolicyWithValueHead`), one :class:`Sample` per
-policy turn, rewards and advantages (GRPO group-normalised, PPO GAE across turns),
-global batch sizes and optimizer windows counted in dialogues, the micro-batch loss,
-the collectives every process takes part in, and one step's metrics row. No state of
-its own: the :class:`~rlver_lib.trainer.Trainer` drives these, step by step.
+policy turn, rewards, global batch sizes and optimizer windows counted in dialogues,
+the micro-batch loss, the collectives every process takes part in, and one step's
+metrics row. What PPO and GRPO do differently (the critic, the advantages, their own
+loss terms and metrics) each function asks of the algorithm object
+(:func:`~rlver_lib.algorithm_objects.algorithm_for`). No state of its own: the
+:class:`~rlver_lib.trainer.Trainer` drives these, step by step.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import copy
 import math
 import resource
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from rlver_lib import algorithms, credit
+from rlver_lib.algorithm_objects import algorithm_for, dialogue_turns
 from rlver_lib.config import RunConfig, TrainingConfig
 
 
@@ -75,8 +77,9 @@ class PolicyWithValueHead(nn.Module):
 
 def build_model(cfg: RunConfig) -> tuple[PolicyWithValueHead, Any]:
     """``(model, tokenizer)``: the policy of ``cfg.policy`` with a fresh LoRA adapter (or
-    its ``policy.adapter``, trainable), gradient checkpointing when asked, a zero-
-    initialised value head for PPO, and dropout switched off everywhere (as TRL's
+    its ``policy.adapter``, trainable), gradient checkpointing when asked, the
+    algorithm's value head (:meth:`~rlver_lib.algorithm_objects.Algorithm.value_head`;
+    PPO's, zero-initialised) and dropout switched off everywhere (as TRL's
     ``disable_dropout``), so old and new log-probs come from the same function."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -90,13 +93,7 @@ def build_model(cfg: RunConfig) -> tuple[PolicyWithValueHead, Any]:
     if cfg.training.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.enable_input_require_grads()
-    value_head = None
-    if cfg.training.algorithm == "ppo":
-        # zero-initialised: the first advantages are then the (whitened) returns, not
-        # the noise of a random critic over the backbone's large hidden states
-        value_head = nn.Linear(policy.config.hidden_size, 1)
-        nn.init.zeros_(value_head.weight)
-        nn.init.zeros_(value_head.bias)
+    value_head = algorithm_for(cfg.training).value_head(policy.config.hidden_size)
     model = PolicyWithValueHead(policy, value_head, cfg.policy.temperature)
     for module in model.modules():
         if isinstance(module, nn.Dropout):
@@ -152,63 +149,6 @@ def samples_from_trajectories(trajectories: Sequence[Any]) -> list[Sample]:
     return samples
 
 
-def grpo_sample_advantages(samples: list[Sample], rewards: dict[str, float], *,
-                           scale_rewards: bool) -> tuple[list[Sample], int, int]:
-    """GRPO: every policy token of every turn carries its dialogue's group-normalised
-    advantage. Returns ``(kept samples, zero-variance groups, groups)``; samples of
-    zero-variance groups are left out (:func:`~rlver_lib.algorithms.informative_groups`)."""
-    dialogues = list(dict.fromkeys(s.dialogue_id for s in samples))
-    if not dialogues:
-        return [], 0, 0
-    group_of = {s.dialogue_id: s.group_id for s in samples}
-    reward = torch.tensor([rewards[d] for d in dialogues], dtype=torch.float32)
-    groups = [group_of[d] for d in dialogues]
-    advantage, zero_variance = algorithms.grpo_advantages(reward, groups, scale_rewards=scale_rewards)
-    keep = algorithms.informative_groups(reward, groups)
-    by_dialogue = {d: (float(a), bool(k)) for d, a, k in zip(dialogues, advantage, keep)}
-    for s in samples:
-        s.advantages = s.mask * by_dialogue[s.dialogue_id][0]
-    return [s for s in samples if by_dialogue[s.dialogue_id][1]], zero_variance, len(set(groups))
-
-
-def ppo_sample_advantages(samples: list[Sample], rewards: dict[str, float], *, gamma: float, lam: float) -> None:
-    """PPO: GAE over each dialogue's policy tokens, its turns chained in order
-    (:func:`~rlver_lib.algorithms.dialogue_gae`); sets ``advantages`` and ``returns``."""
-    by_dialogue: dict[str, list[Sample]] = defaultdict(list)
-    for s in samples:
-        by_dialogue[s.dialogue_id].append(s)
-    turns = [sorted(group, key=lambda s: s.turn) for group in by_dialogue.values()]
-    advantages, returns = algorithms.dialogue_gae(
-        [[s.old_values for s in dialogue] for dialogue in turns], [[s.mask for s in dialogue] for dialogue in turns],
-        [rewards[dialogue[0].dialogue_id] for dialogue in turns], gamma=gamma, lam=lam)
-    for dialogue, adv, ret in zip(turns, advantages, returns):
-        for s, a, r in zip(dialogue, adv, ret):
-            s.advantages, s.returns = a, r
-
-
-def grpo_turn_sample_advantages(samples: list[Sample], turn_rewards: dict[str, list[float]], *,
-                                scale_rewards: bool) -> tuple[list[Sample], int, int]:
-    """GRPO with ``training.credit: per_turn``: the tokens of turn ``t`` carry
-    :func:`~rlver_lib.credit.grpo_turn_advantages` at ``t``. Returns as
-    :func:`grpo_sample_advantages`; samples of zero-variance groups are left out."""
-    by_dialogue: dict[str, list[Sample]] = defaultdict(list)
-    for s in samples:
-        by_dialogue[s.dialogue_id].append(s)
-    turns = {d: sorted(group, key=lambda s: s.turn) for d, group in by_dialogue.items()}
-    dialogues = list(turns)
-    groups = [turns[d][0].group_id for d in dialogues]
-    advantages, zero_variance = credit.grpo_turn_advantages(
-        [turn_rewards[d][:len(turns[d])] for d in dialogues], groups, scale_rewards=scale_rewards)
-    informative = {g for g, a in zip(groups, advantages) if any(a)}
-    kept = []
-    for d, g, adv in zip(dialogues, groups, advantages):
-        for s, a in zip(turns[d], adv):
-            s.advantages = s.mask * a
-        if g in informative:
-            kept.extend(turns[d])
-    return kept, zero_variance, len(set(groups))
-
-
 def credit_turn_rewards(trajectories: Sequence[Any], training: TrainingConfig) -> dict[str, list[float]] | None:
     """Each dialogue's rewards per policy turn under ``training.credit``
     (:func:`~rlver_lib.credit.credit_rewards`, scaled by ``reward_scale``, the format
@@ -234,12 +174,8 @@ def rewarded_turns(samples: list[Sample], turn_rewards: dict[str, list[float]]) 
     """The samples of turns that have a reward (a dialogue's first ``len(turn_rewards[d])``
     turns) and the number of turns left out: those on or after a failed simulator turn,
     not trained as a change of 0."""
-    by_dialogue: dict[str, list[Sample]] = defaultdict(list)
-    for s in samples:
-        by_dialogue[s.dialogue_id].append(s)
     kept, dropped = [], 0
-    for d, group in by_dialogue.items():
-        ordered = sorted(group, key=lambda s: s.turn)
+    for d, ordered in dialogue_turns(samples).items():
         n = len(turn_rewards[d])
         kept.extend(ordered[:n])
         dropped += len(ordered[n:])
@@ -411,9 +347,11 @@ def explained_variance_after(model: PolicyWithValueHead, samples: list[Sample], 
 
 def micro_batch_loss(prepared: nn.Module, batch: dict[str, torch.Tensor], training: TrainingConfig, *,
                  max_new_tokens: int, tokens: float, rows: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """The micro-batch's share of its window's loss (all terms in view, as in CleanRL) and
-    its local sums for the metrics; ``tokens``/``rows``: the window's policy tokens and
-    samples over all processes, the normalisers of every term."""
+    """The micro-batch's share of its window's loss (the shared terms here, the algorithm's
+    own in :meth:`~rlver_lib.algorithm_objects.Algorithm.loss_terms`) and its local sums
+    for the metrics (keys :data:`UPDATE_SUMS` and the algorithm's ``update_sums``);
+    ``tokens``/``rows``: the window's policy tokens and samples over all processes, the
+    normalisers of every term."""
     mask = batch["mask"]
     out = prepared(batch["input_ids"], batch["attention_mask"], mask, entropy_grad=training.entropy_coef > 0)
     weights = None
@@ -435,12 +373,8 @@ def micro_batch_loss(prepared: nn.Module, batch: dict[str, torch.Tensor], traini
         kl = algorithms.kl_penalty(out["logprobs"], batch["ref_logprobs"], training.kl_estimator)
         loss = loss + training.kl_coef * algorithms.aggregate(kl, mask, "token_mean", normaliser=tokens)
         parts["kl_ref"] = float((kl.detach() * mask).sum())
-    if training.algorithm == "ppo":
-        value_loss, value_clip = algorithms.clipped_value_loss(
-            out["values"], batch["old_values"], batch["returns"], mask, clip_eps=training.value_clip_eps,
-            normaliser=tokens)
-        loss = loss + training.vf_coef * value_loss
-        parts.update(value_loss=float(value_loss.detach()), value_clipped=float(value_clip) * n)
+    loss, own = algorithm_for(training).loss_terms(loss, out, batch, training, tokens=tokens)
+    parts.update(own)
     if weights is not None:
         parts.update(is_weight=float((weights * mask).sum()),
                      is_capped=float(((weights >= training.is_cap) * mask).sum()))
@@ -478,76 +412,54 @@ class Collectives:
 def assign_advantages(samples: list[Sample], rewards: dict[str, float], training: TrainingConfig,
                       collect: Collectives, turn_rewards: dict[str, list[float]] | None = None,
                       ) -> tuple[list[Sample], dict[str, float], dict[str, float]]:
-    """Advantages (and PPO returns) for ``samples``; returns the samples to train on,
-    the step's sample statistics summed over processes, and the critic's statistics
-    (:func:`~rlver_lib.algorithms.critic_statistics`) and largest sampling log-prob gap
-    over processes. ``turn_rewards`` (:func:`credit_turn_rewards`, ``None`` under
-    ``training.credit: final``) replaces ``rewards`` with rewards per turn."""
-    zero_variance = groups = failed_turns = 0
+    """Advantages for ``samples`` (:meth:`~rlver_lib.algorithm_objects.Algorithm.assign_advantages`;
+    PPO's returns too); returns the samples to train on, the step's sample statistics
+    summed over processes, and the critic's statistics
+    (:meth:`~rlver_lib.algorithm_objects.Algorithm.critic_statistics`) and largest
+    sampling log-prob gap over processes. ``turn_rewards`` (:func:`credit_turn_rewards`,
+    ``None`` under ``training.credit: final``) replaces ``rewards`` with rewards per turn."""
+    algorithm = algorithm_for(training)
+    failed_turns = 0
     if turn_rewards is not None:
         samples, failed_turns = rewarded_turns(samples, turn_rewards)
     gaps = [algorithms.logprob_gap(s.old_logprobs, s.sampling_logprobs, s.mask) for s in samples]
-    if training.algorithm == "grpo" and training.credit == "per_turn":
-        samples, zero_variance, groups = grpo_turn_sample_advantages(samples, turn_rewards,
-                                                                     scale_rewards=training.scale_rewards)
-    elif training.algorithm == "grpo":
-        dialogue_rewards = rewards if turn_rewards is None else {d: sum(r) for d, r in turn_rewards.items()}
-        samples, zero_variance, groups = grpo_sample_advantages(samples, dialogue_rewards,
-                                                                scale_rewards=training.scale_rewards)
-    else:
-        ppo_sample_advantages(samples, rewards if turn_rewards is None else turn_rewards,
-                              gamma=training.gamma, lam=training.lam)
-        if training.whiten_advantages:  # over every process's policy tokens
-            moments = collect.sum(sum((algorithms.masked_moments(s.advantages, s.mask) for s in samples),
-                                    torch.zeros(3, dtype=torch.float64)))
-            for s in samples:
-                s.advantages = algorithms.whiten_with_moments(s.advantages, s.mask, moments)
-    ppo = training.algorithm == "ppo"
-    return_moments = sum((algorithms.masked_moments(s.returns, s.mask) for s in samples if ppo),
-                         torch.zeros(3, dtype=torch.float64))
-    residual_moments = sum((algorithms.masked_moments(s.returns - s.old_values, s.mask) for s in samples if ppo),
-                           torch.zeros(3, dtype=torch.float64))
-    value_moments = sum((algorithms.masked_moments(s.old_values, s.mask) for s in samples if ppo),
-                        torch.zeros(3, dtype=torch.float64))
+    samples, zero_variance, groups = algorithm.assign_advantages(samples, rewards, turn_rewards, training, collect)
     names = ("samples", "policy_tokens", "train_tokens", "zero_variance_groups", "groups", "gap_sum", "gap_count",
              "failed_turns")
     local = torch.cat([torch.tensor([
         len(samples), sum(float(s.mask.sum()) for s in samples),
         sum(s.input_ids.numel() for s in samples) * training.epochs_per_step, zero_variance, groups,
         sum(float(g[0]) for g in gaps), sum(float(g[2]) for g in gaps), failed_turns], dtype=torch.float64),
-        return_moments, residual_moments, value_moments])
+        algorithm.critic_moments(samples)])
     total = collect.sum(local)
     k = len(names)
     sums = dict(zip(names, total[:k].tolist()))
     extra = {"logprob_gap_max": float(collect.max(torch.tensor([max([float(g[1]) for g in gaps] + [0.0])])))}
-    if ppo:
-        extra.update(algorithms.critic_statistics(total[k:k + 3], total[k + 6:k + 9], total[k + 3:k + 6]))
+    extra.update(algorithm.critic_statistics(total[k:]))
     return samples, sums, extra
-
 
 
 def update_metrics(total: dict[str, float], grad_norms: list[float], training: TrainingConfig, *,
                    windows: int) -> dict[str, float]:
     """The update's metrics from the sums of :func:`micro_batch_loss` over every micro-batch
     and process: losses as means over optimizer steps (``windows``), the rest as means
-    over policy tokens; ``grad_norm`` the mean over optimizer steps."""
+    over policy tokens; ``grad_norm`` the mean over optimizer steps; the algorithm's own
+    (:meth:`~rlver_lib.algorithm_objects.Algorithm.update_metrics`)."""
     tokens = max(total["tokens"], 1.0)
     update = {"policy_loss": total["policy_loss"] / windows, "entropy": total["entropy"] / tokens,
               "approx_kl_old": total["approx_kl_old"] / tokens, "clip_fraction": total["clipped"] / tokens,
               "grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan")}
     if training.kl_coef > 0:
         update["kl_ref"] = total["kl_ref"] / tokens
-    if training.algorithm == "ppo":
-        update["value_loss"] = total["value_loss"] / windows
-        update["value_clip_fraction"] = total["value_clipped"] / tokens
+    update.update(algorithm_for(training).update_metrics(total, windows=windows, tokens=tokens))
     if training.is_correction:
         update["is_weight_mean"] = total["is_weight"] / tokens
         update["is_capped_fraction"] = total["is_capped"] / tokens
     return update
 
 
-UPDATE_SUMS = ("policy_loss", "tokens", "entropy", "approx_kl_old", "clipped", "kl_ref", "value_loss",
-                "value_clipped", "is_weight", "is_capped")
+UPDATE_SUMS = ("policy_loss", "tokens", "entropy", "approx_kl_old", "clipped", "kl_ref", "is_weight", "is_capped")
+"""The sums of :func:`micro_batch_loss` every algorithm has (its own: ``update_sums``)."""
 
 
 # ---------------------------------------------------------------- metrics

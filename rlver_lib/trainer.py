@@ -38,6 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlver_lib import credit
+from rlver_lib.algorithm_objects import algorithm_for
 from rlver_lib.backends import Closing, PolicyBackend, close_backend
 from rlver_lib.checkpoint import Checkpoints
 from rlver_lib.config import ConfigError, RunConfig, TrainingConfig, training_problems
@@ -249,6 +250,9 @@ class Trainer(Closing):
     :class:`~rlver_lib.backends.PolicyBackend` that is handed the policy after every
     update (default: :func:`rlver_lib.models.make_policy_backend` over the live model).
 
+    ``algorithm`` is the :class:`~rlver_lib.algorithm_objects.Algorithm` that
+    ``training.algorithm`` names, chosen once here; the learner's functions ask the same
+    object (:func:`~rlver_lib.algorithm_objects.algorithm_for`).
     ``model`` is the :class:`~rlver_lib.learner.PolicyWithValueHead` (its ``policy`` the live
     ``peft.PeftModel``); ``prepared`` is what ``accelerator.prepare`` made of it (a DDP
     or DeepSpeed wrapper, or the model itself), used for the update's forward and
@@ -280,7 +284,8 @@ class Trainer(Closing):
             raise TrainerError(f"policy_backend {type(policy_backend).__name__} has no sync_policy(model, step): "
                                "the trainer could not hand it the updated policy (rlver_lib.backends.PolicyBackend)")
         training = cfg.training
-        note = credit.one_turn_note(training.credit, training.algorithm) if cfg.rollout.max_turns == 1 else None
+        self.algorithm = algorithm_for(training)
+        note = credit.one_turn_note(training.credit, self.algorithm.name) if cfg.rollout.max_turns == 1 else None
         if note:
             warnings.warn(note, stacklevel=2)
         sample_scenario_indices(len(train_scenarios), 0, training.scenarios_per_step, cfg.seed)  # fail early
@@ -341,7 +346,7 @@ class Trainer(Closing):
         """
         training = self.training
         last = training.steps if stop_after is None else min(stop_after, training.steps)
-        bar = tqdm(total=training.steps, initial=self.step, desc=f"{training.algorithm} steps",
+        bar = tqdm(total=training.steps, initial=self.step, desc=f"{self.algorithm.name} steps",
                    disable=not self.accelerator.is_main_process)
         while self.step < last:
             self.step += 1
@@ -372,7 +377,7 @@ class Trainer(Closing):
             self.model.policy.save_pretrained(CheckpointFolder(folder).adapter, safe_serialization=True)
             atomic_write_text(CheckpointFolder(folder).config, dump_config(self.cfg))
 
-        state = {"step": self.step, "data_position": self.data_position, "algorithm": self.training.algorithm,
+        state = {"step": self.step, "data_position": self.data_position, "algorithm": self.algorithm.name,
                  "num_processes": self.accelerator.num_processes}
         return self.checkpoints.save(self.step, state, extras)
 
@@ -411,7 +416,7 @@ class Trainer(Closing):
                   device=accelerator.device, reference=training.kl_coef > 0)
         samples, sums, extra = assign_advantages(samples, rewards, training, self.collect, turn_rewards)
         update = self._update(samples, step_seed)
-        if training.algorithm == "ppo":
+        if self.algorithm.critic:
             extra["explained_variance_after"] = explained_variance_after(
                 self.model, samples, self.collect, pad_id=self.pad_id, device=accelerator.device,
                 batch_size=scoring_batch_size(samples, training, accelerator.num_processes))
@@ -473,7 +478,8 @@ class Trainer(Closing):
         n_windows = optimizer_steps_per_epoch(total, training.mini_batch_size)  # the same on every process
         offset = int(counts[:rank].sum())
         generator = torch.Generator().manual_seed(step_seed)
-        totals = dict.fromkeys(UPDATE_SUMS, 0.0)
+        keys = UPDATE_SUMS + self.algorithm.update_sums
+        totals = dict.fromkeys(keys, 0.0)
         grad_norms: list[float] = []
         window_samples: list[float] = []
         self.prepared.train()
@@ -507,8 +513,8 @@ class Trainer(Closing):
                 for key, value in parts.items():
                     totals[key] += value
             window_samples += [rows for _, rows in sizes.tolist() if rows > 0]
-        summed = self.collect.sum(torch.tensor([totals[k] for k in UPDATE_SUMS], dtype=torch.float64))
-        update = update_metrics(dict(zip(UPDATE_SUMS, summed.tolist())), grad_norms, training,
+        summed = self.collect.sum(torch.tensor([totals[k] for k in keys], dtype=torch.float64))
+        update = update_metrics(dict(zip(keys, summed.tolist())), grad_norms, training,
                                 windows=len(window_samples))
         update.update(optimizer_steps=len(window_samples), samples_per_update=float(np.mean(window_samples)),
                       dialogues_per_update=total * training.epochs_per_step / len(window_samples))
@@ -537,9 +543,9 @@ class Trainer(Closing):
         if path is None:
             return
         state = self.checkpoints.state(path)
-        if state.get("algorithm") != self.training.algorithm:
+        if state.get("algorithm") != self.algorithm.name:
             raise TrainerError(f"{path}: checkpoint is for {state.get('algorithm')!r}, "
-                               f"config asks for {self.training.algorithm!r}")
+                               f"config asks for {self.algorithm.name!r}")
         self.checkpoints.load(path)
         self.step, self.data_position = int(state["step"]), int(state["data_position"])
         # a fresh rollout engine must sample from the restored adapter

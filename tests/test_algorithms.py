@@ -1,13 +1,21 @@
-"""Advantage estimators and losses against hand-computed values and against TRL 1.16."""
+"""Advantage estimators and losses against hand-computed values and against TRL 1.16;
+the PPO and GRPO objects (:mod:`rlver_lib.algorithm_objects`)."""
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 import torch
 
+from rlver_lib import algorithm_objects as algo
 from rlver_lib import algorithms as alg
+from rlver_lib import credit
+from rlver_lib.config import TrainingConfig
 
 # ---------------------------------------------------------------- GAE
 
@@ -497,3 +505,101 @@ def test_gather_logprobs_matches_log_softmax():
     ids = torch.randint(0, 11, (7,))
     torch.testing.assert_close(alg.gather_logprobs(logits, ids),
                                torch.log_softmax(logits, -1)[torch.arange(7), ids])
+
+
+# ---------------------------------------------------------------- one object per algorithm
+
+
+def _sample(dialogue, turn, mask, old_values, group="g"):
+    """A stand-in for the learner's ``Sample``: the fields the algorithm objects read."""
+    return SimpleNamespace(dialogue_id=dialogue, group_id=group, turn=turn, mask=torch.tensor(mask),
+                           old_values=torch.tensor(old_values), advantages=None, returns=None)
+
+
+class _Sum:
+    """One process's ``Collectives``: a sum over processes is the value itself."""
+
+    def sum(self, tensor):
+        return tensor.double()
+
+
+def test_the_registry_has_one_object_per_configured_algorithm_and_the_lookup_reads_the_name():
+    names = set(get_args(TrainingConfig.model_fields["algorithm"].annotation))
+    assert set(algo.ALGORITHMS) == names
+    for name, algorithm in algo.ALGORITHMS.items():
+        assert algorithm.name == name
+        assert algo.algorithm_for(TrainingConfig(algorithm=name)) is algorithm
+    assert isinstance(algo.algorithm_for(TrainingConfig(algorithm="ppo")), algo.PPO)
+
+
+def test_no_library_module_compares_the_algorithm_name():
+    """The algorithm is decided in one place (``algorithm_for``): nothing compares a
+    string to ``"ppo"`` or ``"grpo"``."""
+    found = []
+    for path in sorted(Path(algo.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(side, ast.Constant) and side.value in algo.ALGORITHMS
+                    for side in [node.left, *node.comparators]):
+                found.append(f"{path.name}:{node.lineno}")
+    assert found == []
+
+
+def test_grpo_has_no_critic_and_adds_nothing_to_the_loss():
+    grpo, training = algo.GRPO(), TrainingConfig(algorithm="grpo")
+    assert not grpo.critic and grpo.value_head(16) is None and grpo.update_sums == ()
+    assert grpo.critic_moments([]).shape == (0,) and grpo.critic_statistics(torch.zeros(0)) == {}
+    loss = torch.tensor(0.3, requires_grad=True)
+    assert grpo.loss_terms(loss, {}, {}, training, tokens=4.0) == (loss, {})
+    assert grpo.update_metrics({}, windows=1, tokens=4.0) == {}
+
+
+def test_grpo_objects_advantages_follow_the_credit():
+    samples = [_sample("a#0", 0, [0.0, 1.0], [0.0, 0.0]), _sample("a#0", 1, [0.0, 1.0], [0.0, 0.0]),
+               _sample("a#1", 0, [0.0, 1.0], [0.0, 0.0])]
+    final = TrainingConfig(algorithm="grpo", credit="final_minus_initial", scale_rewards=False)
+    kept, zero_variance, groups = algo.GRPO().assign_advantages(
+        samples, {}, {"a#0": [0.1, 0.3], "a#1": [0.2]}, final, _Sum())
+    # final_minus_initial: a dialogue's turn rewards summed, 0.4 against 0.2 (mean 0.3)
+    assert (len(kept), zero_variance, groups) == (3, 0, 1)
+    torch.testing.assert_close(torch.stack([s.advantages for s in kept]),
+                               torch.tensor([[0.0, 0.1], [0.0, 0.1], [0.0, -0.1]]))
+    per_turn = final.model_copy(update={"credit": "per_turn"})
+    kept, _, _ = algo.GRPO().assign_advantages(samples, {}, {"a#0": [0.1, 0.3], "a#1": [0.2]}, per_turn, _Sum())
+    expected, _ = credit.grpo_turn_advantages([[0.1, 0.3], [0.2]], ["g", "g"], scale_rewards=False)
+    assert [float(s.advantages[1]) for s in kept] == pytest.approx([expected[0][0], expected[0][1], expected[1][0]])
+
+
+def test_ppo_value_head_starts_at_zero_and_its_loss_term_is_the_clipped_value_loss():
+    ppo = algo.PPO()
+    head = ppo.value_head(16)
+    assert ppo.critic and head.weight.shape == (1, 16) and not head.weight.any() and not head.bias.any()
+    training = TrainingConfig(algorithm="ppo", vf_coef=0.25, value_clip_eps=0.2)
+    batch = {"mask": torch.tensor([[1.0, 1.0, 0.0]]), "old_values": torch.tensor([[0.2, 0.1, 0.0]]),
+             "returns": torch.tensor([[1.0, 0.0, 0.0]])}
+    out = {"values": torch.tensor([[0.5, 0.0, 50.0]])}
+    loss, parts = ppo.loss_terms(torch.tensor(1.0), out, batch, training, tokens=2.0)
+    value_loss, clipped = alg.clipped_value_loss(out["values"], batch["old_values"], batch["returns"],
+                                                 batch["mask"], clip_eps=0.2, normaliser=2.0)
+    assert loss.item() == pytest.approx(1.0 + 0.25 * value_loss.item())
+    assert set(parts) == set(ppo.update_sums)
+    assert parts == {"value_loss": pytest.approx(value_loss.item()), "value_clipped": pytest.approx(clipped * 2)}
+    assert ppo.update_metrics({"value_loss": 3.0, "value_clipped": 1.0}, windows=2, tokens=4.0) \
+        == {"value_loss": 1.5, "value_clip_fraction": 0.25}
+
+
+def test_ppo_objects_advantages_are_gae_whitened_and_its_critic_statistics_those_of_the_whole_batch():
+    samples = [_sample("d#0", 0, [0.0, 1.0, 1.0], [9.0, 0.1, 0.2]), _sample("d#0", 1, [0.0, 1.0], [9.0, 0.3]),
+               _sample("e#0", 0, [1.0, 1.0], [0.5, -0.2], group="e")]
+    training = TrainingConfig(algorithm="ppo", gamma=0.9, lam=0.5, whiten_advantages=True)
+    ppo = algo.PPO()
+    kept, zero_variance, groups = ppo.assign_advantages(samples, {"d#0": 1.0, "e#0": 0.0}, None, training, _Sum())
+    assert kept is samples and (zero_variance, groups) == (0, 0)
+    mask = torch.cat([s.mask for s in samples])
+    advantages = torch.cat([s.advantages for s in samples])
+    assert float(alg.masked_mean(advantages, mask)) == pytest.approx(0.0, abs=1e-6)
+    returns, values = torch.cat([s.returns for s in samples]), torch.cat([s.old_values for s in samples])
+    stats = ppo.critic_statistics(ppo.critic_moments(samples))
+    assert stats["explained_variance"] == pytest.approx(alg.explained_variance(values, returns, mask))
+    assert stats["return_mean"] == pytest.approx(float(alg.masked_mean(returns, mask)))
+    assert stats["value_mean"] == pytest.approx(float(alg.masked_mean(values, mask)))

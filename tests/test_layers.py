@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("backends", {"native", "backends", "openai_backend", "servers", "vllm_backend", "vllm_server"}),
     ("simulator and rollout", {"scenarios", "appraisal", "appraiser", "user_prompts", "simulator", "models",
                                "rollout", "records", "character", "plots"}),
-    ("algorithms and trainer", {"algorithms", "credit", "checkpoint", "learner", "trainer"}),
+    ("algorithms and trainer", {"algorithms", "algorithm_objects", "credit", "checkpoint", "learner", "trainer"}),
     ("evaluation", {"evaluation.*"}),
     ("analysis", {"analysis.*"}),
     ("pipeline and CLI", {"pipeline.*", "doctor", "cli"}),

@@ -16,6 +16,7 @@ import torch
 from training_support import FakeAccelerator, hashed_change, starts_with_i, tiny_config, tiny_scenarios
 
 from rlver_lib import algorithms
+from rlver_lib.algorithm_objects import grpo_sample_advantages, ppo_sample_advantages
 from rlver_lib.config import EMBEDDED_POLICY, ConfigError
 from rlver_lib.files import iter_jsonl
 from rlver_lib.learner import (
@@ -23,9 +24,7 @@ from rlver_lib.learner import (
     batch_notes,
     batch_problems,
     dialogue_windows,
-    grpo_sample_advantages,
     optimizer_steps_per_epoch,
-    ppo_sample_advantages,
     samples_from_trajectories,
     score_old,
     train_reward,
@@ -611,7 +610,7 @@ def test_paper_recipe_takes_a_real_step_on_the_embedded_policy(tmp_path, recipe)
     assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0 and row["entropy"] > 0
     # think recipes: 3 tokens cannot close a think block, every reply breaks the format
     assert row["format_violation_rate"] == (1.0 if cfg.policy.think else 0.0)
-    if training.algorithm == "ppo":
+    if trainer.algorithm.critic:
         assert math.isfinite(row["value_loss"]) and math.isfinite(row["explained_variance"])
     else:
         assert row["zero_variance_group_share"] == 0.0
