@@ -19,9 +19,10 @@ plus optional keys:
 - ``expect_error``: the trainer must refuse the config (the message is recorded);
 - ``interrupt_after``: train that many steps, drop the trainer, and let a new one (in
   the same processes) resume from the checkpoint and finish the run;
-- ``hang_after_checkpoint``: once the checkpoint of that step is complete, the
-  simulated user of every process hangs in its next call (mid-step), after writing
-  ``train/hanging_rank<r>``: a fixed point for the test to kill the launch at.
+- ``hang_in_checkpoint``: while the checkpoint of that step is being written (all of it
+  in its ``.step_NNNNNN.partial`` folder, ``trainer_state.json`` included, not yet renamed
+  into place), rank 0 hangs after writing ``train/hanging_in_checkpoint``: a fixed point
+  for the test to kill the launch at.
 
 Each run writes ``rank<r>.json`` into its ``train/`` folder: the launch as accelerate
 saw it, the ``torch.optim.AdamW.step`` calls of its last ``train()`` (counted by a
@@ -61,17 +62,12 @@ class FailingFor(RuleSimulator):
     """The rule simulator, except that dialogues of the given scenarios (all, when ``None``)
     end in a simulator error at their first turn."""
 
-    def __init__(self, change_fn, scenario_ids: set[str] | None = None, hang_after: Path | None = None):
+    def __init__(self, change_fn, scenario_ids: set[str] | None = None):
         super().__init__(change_fn)
         self.scenario_ids = scenario_ids
         self.failed: set[str] = set()
-        self.hang_after = hang_after  # a checkpoint folder
 
     def step(self, requests):
-        if self.hang_after is not None and (self.hang_after / "trainer_state.json").is_file():
-            rank = os.environ.get("RANK", "0")
-            (self.hang_after.parents[1] / f"hanging_rank{rank}").write_text("", encoding="utf-8")
-            time.sleep(3600)
         turns = super().step(requests)
         out = []
         for request, turn in zip(requests, turns):
@@ -137,6 +133,22 @@ def count_adamw_steps() -> None:
     torch.optim.AdamW.step = counted
 
 
+def hang_in_checkpoint(step: int, marker: Path) -> None:
+    """Make rank 0 hang just before it renames step ``step``'s finished partial checkpoint
+    into place (after writing ``marker``): a kill there lands mid-write."""
+    from rlver_lib import checkpoint
+
+    commit = checkpoint.commit_directory
+
+    def hanging(partial, path):
+        if Path(path).name == f"step_{step:06d}":
+            marker.write_text(str(partial), encoding="utf-8")
+            time.sleep(3600)
+        commit(partial, path)
+
+    checkpoint.commit_directory = hanging
+
+
 def train(run: dict) -> list[dict]:
     """Train as ``run`` says; returns the metrics rows (and writes ``rank<r>.json``)."""
     from rlver_lib.trainer import Trainer
@@ -145,10 +157,11 @@ def train(run: dict) -> list[dict]:
     change = {"hashed": hashed_change, "starts_with_i": starts_with_i}[run.get("change", "hashed")]
     rank = int(os.environ.get("RANK", "0"))
     failing = run.get("failing_scenarios")
-    hang = run.get("hang_after_checkpoint")
-    simulator = FailingFor(change, None if run.get("error_on_rank") == rank else set(failing or []),
-                           cfg.run_dir / "train" / "checkpoints" / f"step_{hang:06d}" if hang else None)
+    simulator = FailingFor(change, None if run.get("error_on_rank") == rank else set(failing or []))
     out = cfg.run_dir / "train" / f"rank{rank}.json"
+    if run.get("hang_in_checkpoint"):
+        (cfg.run_dir / "train").mkdir(parents=True, exist_ok=True)
+        hang_in_checkpoint(run["hang_in_checkpoint"], cfg.run_dir / "train" / "hanging_in_checkpoint")
     try:
         trainer = Trainer(cfg, tiny_scenarios(run["scenarios"], run.get("identical", False)), simulator=simulator)
     except ConfigError as err:

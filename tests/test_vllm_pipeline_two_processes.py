@@ -9,6 +9,14 @@ process group and waited for rank 1, which was itself waiting for training: the
 baseline hung (issue B1). Now only training runs inside the launch
 (``pipeline.run.kernel_environment``); there both ranks build their engine with
 ``distributed_executor_backend="external_launcher"`` in the launch's group.
+
+On the code before that fix (commit 4f4d9b9) this launch hangs: run against a
+``git worktree`` of that commit (this file and its helpers copied in, the same
+``.venv-vllm``), it had not finished after 600 s, and ``py-spy dump`` of rank 0's
+baseline kernel showed it blocked in ``init_process_group`` under
+``PartialState.__init__`` <- ``vllm_backend._colocate_distributed_env`` <-
+``evaluation.stage.evaluate``. With the fix the same launch completes (280 s on a
+loaded 2-core machine).
 """
 
 from __future__ import annotations
