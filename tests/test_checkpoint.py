@@ -88,7 +88,7 @@ def test_resume_after_interruption_reproduces_metrics(tmp_path):
 
     from rlver_lib.models import load_causal_lm
 
-    base, _ = load_causal_lm("embedded:smollm2-135m-instruct", "bfloat16")
+    base, _ = load_causal_lm("embedded:smollm2-135m-instruct", "float32")
     loaded = PeftModel.from_pretrained(base, str(cut.run_dir / "train" / "adapter"))
     trained = dict(resumed.model.policy.named_parameters())
     for name, p in loaded.named_parameters():

@@ -46,12 +46,13 @@ def _three_turn(tmp_path, name, **training):
     return cfg
 
 
-def _one_step(tmp_path, monkeypatch, simulator, name, **training):
+def _one_step(tmp_path, simulator, name, **training):
     """One training step of the 3-turn config; returns what :func:`_spy` saw and the step's row."""
     torch.set_num_threads(2)
-    seen = _spy(monkeypatch)
-    trainer = Trainer(_three_turn(tmp_path, name, **training), tiny_scenarios(2), simulator=simulator)
-    return seen, trainer.train()[0]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        seen = _spy(monkeypatch)
+        trainer = Trainer(_three_turn(tmp_path, name, **training), tiny_scenarios(2), simulator=simulator)
+        return seen, trainer.train()[0]
 
 
 def _by_dialogue(samples):
@@ -61,11 +62,27 @@ def _by_dialogue(samples):
     return {d: sorted(v, key=lambda s: s.turn) for d, v in out.items()}
 
 
+class _FailsOnSecondTurn(RuleSimulator):
+    """The rule simulator, except that dialogue ``s0#0``'s appraisal fails on its second turn."""
+
+    def step(self, requests):
+        turns = super().step(requests)
+        return [SimulatorTurn(r.dialogue_id, None, None, r.emotion, r.emotion, "B", {}, None, False, error="outage")
+                if r.dialogue_id == "s0#0" and sum(m["role"] == "assistant" for m in r.history) == 2 else t
+                for r, t in zip(requests, turns)]
+
+
+@pytest.fixture(scope="module")
+def ppo_per_turn(tmp_path_factory):
+    """One PPO step with per-turn credit on 3-turn dialogues; dialogue ``s0#0``'s simulated
+    user fails on its second turn (the others play out)."""
+    return _one_step(tmp_path_factory.mktemp("ppo"), _FailsOnSecondTurn(hashed_change), "ppo-turns",
+                     algorithm="ppo", credit="per_turn")
+
+
 @pytest.mark.slow
-def test_ppo_per_turn_rewards_sit_on_each_turns_last_token_and_sum_to_the_change(tmp_path, monkeypatch):
-    seen, row = _one_step(tmp_path, monkeypatch, RuleSimulator(hashed_change), "ppo-turns", algorithm="ppo",
-                          credit="per_turn")
-    assert row["failed_turns"] == 0
+def test_ppo_per_turn_rewards_sit_on_each_turns_last_token_and_sum_to_the_change(ppo_per_turn):
+    seen, row = ppo_per_turn
     # the critic's diagnostics are logged (their formulas: tests/test_credit.py)
     for key in ("explained_variance", "explained_variance_after", "return_mean", "return_sd", "value_mean",
                 "value_sd"):
@@ -74,7 +91,9 @@ def test_ppo_per_turn_rewards_sit_on_each_turns_last_token_and_sum_to_the_change
     assert 0.0 <= row["reward_between_group_share"] <= 1.0
     samples = _by_dialogue(seen["samples"])
     assert max(len(v) for v in samples.values()) >= 2  # several turns were played
-    for t in seen["trajectories"]:
+    played = [t for t in seen["trajectories"] if t.termination != "error"]
+    assert len(played) == 3
+    for t in played:
         rewards = seen["turn_rewards"][t.dialogue_id]
         assert len(rewards) == len(t.samples)
         assert sum(rewards) == pytest.approx((t.final_emotion - t.initial_emotion) / 100)
@@ -88,8 +107,18 @@ def test_ppo_per_turn_rewards_sit_on_each_turns_last_token_and_sum_to_the_change
 
 
 @pytest.mark.slow
-def test_grpo_per_turn_advantages_are_reward_to_go_against_the_other_dialogues(tmp_path, monkeypatch):
-    seen, _ = _one_step(tmp_path, monkeypatch, RuleSimulator(hashed_change), "grpo-turns", credit="per_turn",
+def test_a_failed_turn_and_after_are_not_trained_and_are_counted(ppo_per_turn):
+    seen, row = ppo_per_turn
+    failed = next(t for t in seen["trajectories"] if t.dialogue_id == "s0#0")
+    assert failed.termination == "error" and len(failed.samples) == 2
+    assert len(seen["turn_rewards"]["s0#0"]) == 1  # only the turn before the failure has a reward
+    assert [s.turn for s in _by_dialogue(seen["samples"])["s0#0"]] == [failed.samples[0].turn]
+    assert row["failed_turns"] == 1
+
+
+@pytest.mark.slow
+def test_grpo_per_turn_advantages_are_reward_to_go_against_the_other_dialogues(tmp_path):
+    seen, _ = _one_step(tmp_path, RuleSimulator(hashed_change), "grpo-turns", credit="per_turn",
                         scale_rewards=False)
     samples = _by_dialogue(seen["samples"])
     for scenario in ("s0", "s1"):
@@ -101,27 +130,6 @@ def test_grpo_per_turn_advantages_are_reward_to_go_against_the_other_dialogues(t
             expected = ga[k] - (gb[k] if k < len(gb) else 0.0)
             on = s.mask.bool()
             torch.testing.assert_close(s.advantages[on], torch.full((int(on.sum()),), expected), atol=1e-6, rtol=0)
-
-
-class _FailsOnSecondTurn(RuleSimulator):
-    """The rule simulator, except that dialogue ``s0#0``'s appraisal fails on its second turn."""
-
-    def step(self, requests):
-        turns = super().step(requests)
-        return [SimulatorTurn(r.dialogue_id, None, None, r.emotion, r.emotion, "B", {}, None, False, error="outage")
-                if r.dialogue_id == "s0#0" and sum(m["role"] == "assistant" for m in r.history) == 2 else t
-                for r, t in zip(requests, turns)]
-
-
-@pytest.mark.slow
-def test_a_failed_turn_and_after_are_not_trained_and_are_counted(tmp_path, monkeypatch):
-    seen, row = _one_step(tmp_path, monkeypatch, _FailsOnSecondTurn(hashed_change), "failed", algorithm="ppo",
-                          credit="per_turn")
-    failed = next(t for t in seen["trajectories"] if t.dialogue_id == "s0#0")
-    assert failed.termination == "error" and len(failed.samples) == 2
-    assert len(seen["turn_rewards"]["s0#0"]) == 1  # only the turn before the failure has a reward
-    assert [s.turn for s in _by_dialogue(seen["samples"])["s0#0"]] == [failed.samples[0].turn]
-    assert row["failed_turns"] == 1
 
 
 @pytest.mark.slow

@@ -35,11 +35,15 @@ def hashed_change(reply: str) -> int:
 
 
 def tiny_config(tmp_path, name, **training):
-    """A 4-step GRPO run on the embedded policy and the rule simulator, one turn of 4 tokens,
-    a checkpoint every 2 steps (``training`` overrides the training section)."""
+    """A 4-step GRPO run on the embedded policy (float32) and the rule simulator, one turn of
+    4 tokens, a checkpoint every 2 steps (``training`` overrides the training section).
+
+    float32, not the default bfloat16: on a CPU without native bf16 (no ``avx512_bf16`` /
+    AMX, e.g. an AVX2 AMD EPYC) a LoRA forward and backward of the embedded policy is
+    about 20x slower in bf16 (docs/MEASURED.md); the bf16 path has tests of its own."""
     return build_config({
         "run_name": name, "output_root": str(tmp_path), "seed": 3,
-        "policy": {"max_new_tokens": 4, "lora": {"r": 4, "alpha": 8}},
+        "policy": {"max_new_tokens": 4, "dtype": "float32", "lora": {"r": 4, "alpha": 8}},
         "simulator": {"backend": "rule", "initial_emotion": 50},
         "rollout": {"max_turns": 1},
         "training": {"algorithm": "grpo", "steps": 4, "scenarios_per_step": 1, "group_size": 2,
