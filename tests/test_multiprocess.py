@@ -134,15 +134,21 @@ def _adapter(run_dir: Path) -> dict:
     return load_file(str(run_dir / "train" / "adapter" / "adapter_model.safetensors"))
 
 
-def _lora_b_gap(run: dict, reference: dict) -> float:
-    """``||B - B_ref|| / ||B_ref||`` over every ``lora_B`` weight (they start at 0: this is
-    the gap relative to what training moved)."""
+def _lora_b_diff(run: dict, reference: dict):
+    """``(run - reference, reference)`` over every ``lora_B`` weight, flattened (float64)."""
     import torch
 
     keys = sorted(k for k in reference if "lora_B" in k)
     assert keys and run.keys() == reference.keys()
-    diff = torch.cat([(run[k].double() - reference[k].double()).flatten() for k in keys])
-    return float(diff.norm() / torch.cat([reference[k].double().flatten() for k in keys]).norm())
+    ref = torch.cat([reference[k].double().flatten() for k in keys])
+    return torch.cat([run[k].double().flatten() for k in keys]) - ref, ref
+
+
+def _lora_b_gap(run: dict, reference: dict) -> float:
+    """``||B - B_ref|| / ||B_ref||`` over every ``lora_B`` weight (they start at 0: this is
+    the gap relative to what training moved)."""
+    diff, ref = _lora_b_diff(run, reference)
+    return float(diff.norm() / ref.norm())
 
 
 def _lora_b_moved_apart(run: dict, reference: dict, learning_rate: float) -> float:
@@ -152,11 +158,7 @@ def _lora_b_moved_apart(run: dict, reference: dict, learning_rate: float) -> flo
     gradient changes only the few weights whose gradient is about 0, while an update
     from another gradient (one process's share alone, other dialogues) moves about half
     of them differently."""
-    import torch
-
-    keys = sorted(k for k in reference if "lora_B" in k)
-    assert keys and run.keys() == reference.keys()
-    diff = torch.cat([(run[k].double() - reference[k].double()).flatten() for k in keys])
+    diff, _ = _lora_b_diff(run, reference)
     return float((diff.abs() > learning_rate / 10).double().mean())
 
 
