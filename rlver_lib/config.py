@@ -170,7 +170,10 @@ class UserModelConfig(EndpointConfig):
     change ``expected_scale * (mean P(yes) - expected_center)``, slid towards -10 by the
     natural-language guard. ``expected`` is not the default: with the embedded model its
     center, calibrated on SAGE's Chinese turns, does not transfer to held-out SAGE
-    turns or to English replies (docs/MEASURED.md).
+    turns or to English replies (docs/MEASURED.md). ``learned`` makes no model call: a
+    ridge head on the simulator model's embeddings (``rlver_lib.appraiser``). Each mode is
+    one class of ``rlver_lib.appraisal.APPRAISAL_MODES``; the names allowed here are its
+    keys (a test checks that they agree).
     ``expected_questions``: the checklist's content questions (``on_situation``: the reply
     stays on the person's own situation; ``understood``: it leaves them more understood;
     ``intention``: the question tied to their hidden intention); the natural-language

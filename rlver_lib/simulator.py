@@ -4,25 +4,31 @@ The user holds an emotion score ``e`` in [0, 100] and a mood letter (:func:`~rlv
 After each policy reply it *appraises* the reply, the update rule runs in code
 (:func:`~rlver_lib.appraisal.apply_change`: ``e = clamp(e + clamp(change, -10, 10), 0, 100)``, over real
 numbers), and it *replies* (the next user message, given the appraisal and the new
-mood, with an ``end_conversation`` flag). Three appraisal modes (``simulator.appraisal``):
+mood, with an ``end_conversation`` flag). How it appraises is its appraisal mode
+(``simulator.appraisal``), one :class:`~rlver_lib.appraisal.AppraisalMode` object chosen by name
+(:func:`~rlver_lib.appraisal.appraisal_mode`); the simulator asks it and never reads the name:
 
-- ``expected``: a checklist of yes/no questions tied to the scenario's hidden
-  intention (:func:`~rlver_lib.user_prompts.checklist`), each answered by reading P(yes) from the model's
-  next-token distribution (one prefill, no sampling), combined into a real-valued change
-  (:func:`~rlver_lib.appraisal.expected_change`). G-Eval (Liu et al., 2023) reads probabilities instead of a
-  sampled score for the same reason: a smooth, low-noise number;
-- ``sage``: a sampled JSON appraisal by a third-person analyser that looks first for
-  what does not fit the hidden intention, on SAGE's scale (-10, -5, 0, +5, +10);
-- ``first_person`` (default): the older sampled first-person JSON appraisal, an integer
-  in [-10, 10].
+- ``first_person`` (default, :class:`~rlver_lib.appraisal.FirstPersonMode`): a sampled
+  first-person JSON appraisal, an integer in [-10, 10];
+- ``sage`` (:class:`~rlver_lib.appraisal.SageMode`): a sampled JSON appraisal by a
+  third-person analyser that looks first for what does not fit the hidden intention, on
+  SAGE's scale (-10, -5, 0, +5, +10);
+- ``expected`` (:class:`~rlver_lib.appraisal.ExpectedMode`): a checklist of yes/no questions
+  tied to the scenario's hidden intention (:func:`~rlver_lib.user_prompts.checklist`), each
+  answered by reading P(yes) from the model's next-token distribution (one prefill, no
+  sampling), combined into a real-valued change (:func:`~rlver_lib.appraisal.expected_change`);
+- ``learned`` (:class:`~rlver_lib.appraisal.LearnedMode`): no model call, a ridge head on the
+  simulator model's embeddings (:mod:`rlver_lib.appraiser`).
 
-Each sampled call is retried at most ``sim_cfg.max_retries`` times on unusable output
+A mode appraises through the two ways this simulator asks its backend
+(:meth:`UserSimulator.sampled_appraisals`, :meth:`UserSimulator.checklist_appraisals`), or
+on its own. Each sampled call is retried at most ``sim_cfg.max_retries`` times on unusable output
 (:func:`~rlver_lib.backends.structured_batch`); every raw output is recorded, and a turn
 that still fails carries ``error`` and no invented score. A prompt that would not fit the
 model's context is shortened by a stated rule (:func:`fit_history`) and the turn records
 how many messages were left out. Only ``reply`` is meant for the policy. Every batched
 call is seeded from (simulator seed, stage, turn, attempt), whichever dialogues share it.
-The emotion rules, scales, schemas and parsers are in :mod:`rlver_lib.appraisal`; the
+The emotion rules, scales, schemas, parsers and modes are in :mod:`rlver_lib.appraisal`; the
 requests and the prompts they are rendered into, in :mod:`rlver_lib.user_prompts`.
 """
 
@@ -33,20 +39,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from rlver_lib.appraisal import (
-    DIFFICULTY_SHIFT,
     OPENING_SCHEMA,
-    SCALES,
+    Appraised,
+    ExpectedMode,
     Mood,
+    SampledMode,
     apply_change,
-    appraisal_schema,
-    expected_change,
+    appraisal_mode,
     mood_for,
-    parse_appraisal,
     parse_opening,
     parse_reply,
     reply_schema,
 )
-from rlver_lib.appraiser import LearnedAppraisal
 from rlver_lib.backends import (
     BackendDied,
     BackendError,
@@ -55,14 +59,12 @@ from rlver_lib.backends import (
     Conversation,
     StructuredResult,
     UnusableOutput,
-    answer_probability,
     close_backend,
     derive_seed,
     structured_batch,
 )
 from rlver_lib.config import SimulatorConfig, UserModelConfig
 from rlver_lib.user_prompts import (
-    ChecklistQuestion,
     SimulatorRequest,
     appraise_messages,
     checklist,
@@ -126,8 +128,10 @@ class UserSimulator(Closing):
     ``sim_cfg`` gives the appraisal mode (see the module notes), difficulty, the
     sampling settings (all sent: :meth:`rlver_lib.config.EndpointConfig.sampling`),
     ``max_new_tokens``, ``max_retries`` and ``n_ctx``; ``seed`` seeds every sampled call.
-    The ``expected`` mode needs a backend with ``next_token_logprobs``
-    (:class:`~rlver_lib.backends.NextTokenScorer`); ``TypeError`` otherwise.
+    ``mode`` is the appraisal mode's object, readied for ``backend`` at construction
+    (:meth:`~rlver_lib.appraisal.AppraisalMode.prepare`): the ``expected`` mode needs a
+    backend with ``next_token_logprobs`` (:class:`~rlver_lib.backends.NextTokenScorer`),
+    ``TypeError`` otherwise; the ``learned`` mode reads its appraiser file.
 
     When the backend's process dies (:class:`~rlver_lib.backends.BackendDied`), the
     turns in flight fail at once without retries and ``fatal_error`` holds the
@@ -135,18 +139,16 @@ class UserSimulator(Closing):
     ``with simulator:`` (or :meth:`close`) stops the backend's server.
     """
 
-    #: top log-probs read per checklist question
-    TOP_N = 20
+    #: top log-probs read per checklist question (the ``expected`` mode's)
+    TOP_N = ExpectedMode.top_logprobs
 
     def __init__(self, backend: ChatBackend, sim_cfg: UserModelConfig | None = None, *, seed: int = 0):
         self.backend = backend
         self.cfg = sim_cfg or SimulatorConfig()
         self.seed = seed
         self.fatal_error: str | None = None
-        self.learned = LearnedAppraisal() if self.cfg.appraisal == "learned" else None  # rlver_lib.appraiser
-        if self.cfg.appraisal == "expected" and not hasattr(backend, "next_token_logprobs"):
-            raise TypeError(f"simulator.appraisal 'expected' needs a backend with next_token_logprobs; "
-                            f"{type(backend).__name__} has none (use appraisal 'sage')")
+        self.mode = appraisal_mode(self.cfg.appraisal)
+        self.mode.prepare(backend)
 
     def close(self) -> None:
         """Close the backend (stops a server it started; see :func:`~rlver_lib.backends.close_backend`)."""
@@ -206,56 +208,68 @@ class UserSimulator(Closing):
         for request in requests:
             if not request.history or request.history[-1]["role"] != "assistant":
                 raise ValueError(f"{request.dialogue_id}: history must end with the policy reply")
-        if self.learned is not None:  # no model call: a head on the simulator model's embeddings
-            appraisals = self.learned(requests)
-            return (list(requests), [0] * len(requests), appraisals,
-                    [apply_change(r.emotion, a["change"]) for r, a in zip(requests, appraisals)],
-                    [StructuredResult() for _ in requests])
-        mode = self.cfg.appraisal
-        if mode == "expected":
-            render = lambda r: checklist_messages(r, checklist(r.scenario)[-1])  # noqa: E731
-            new_tokens = 64  # one answer token, and room for the longest question of the checklist
-        else:
-            render = lambda r: appraise_messages(r, self.cfg.difficulty, mode)  # noqa: E731
-            new_tokens = self.cfg.max_new_tokens
-        fitted, dropped, problems = self._fitted(requests, render, new_tokens)
-        fits = [i for i, p in enumerate(problems) if p is None]
-        appraisals: list[Any] = [None] * len(requests)
-        logs = [StructuredResult(failures=[f"appraise: {p}"]) if p else StructuredResult() for p in problems]
-        if fits:
-            batch = [fitted[i] for i in fits]
-            if mode == "expected":
-                got, got_logs = self._checklist_appraisals(batch)
-            else:
-                got, got_logs = self._structured(
-                    [render(r) for r in batch], appraisal_schema(self.cfg.appraisal_chars, mode),
-                    lambda text: parse_appraisal(text, SCALES[mode]), "appraise", _turn_index(requests))
-            for i, value, log in zip(fits, got, got_logs):
-                appraisals[i], logs[i] = value, log
+        fitted, dropped, appraisals, logs = self.mode.appraise(self, requests)
         updated = [
             apply_change(r.emotion, a["change"]) if a is not None else (None, r.emotion)
             for r, a in zip(requests, appraisals)
         ]
         return fitted, dropped, appraisals, updated, logs
 
-    def _checklist_appraisals(self, requests: Sequence[SimulatorRequest]) -> tuple[list[Any], list[StructuredResult]]:
-        """The expected-value appraisal of each request.
+    def _fitted_appraisals(
+        self,
+        requests: Sequence[SimulatorRequest],
+        render: Callable[[SimulatorRequest], Conversation],
+        new_tokens: int,
+        ask: Callable[[list[SimulatorRequest]], tuple[list[Any], list[StructuredResult]]],
+    ) -> Appraised:
+        """``ask`` for the appraisals of the requests whose prompt (``render``, with room for
+        ``new_tokens``) fits the context after shortening (:meth:`_fitted`); a request that
+        does not fit fails with the reason logged."""
+        fitted, dropped, problems = self._fitted(requests, render, new_tokens)
+        fits = [i for i, p in enumerate(problems) if p is None]
+        appraisals: list[Any] = [None] * len(requests)
+        logs = [StructuredResult(failures=[f"appraise: {p}"]) if p else StructuredResult() for p in problems]
+        if fits:
+            got, got_logs = ask([fitted[i] for i in fits])
+            for i, value, log in zip(fits, got, got_logs):
+                appraisals[i], logs[i] = value, log
+        return fitted, dropped, appraisals, logs
+
+    def sampled_appraisals(self, requests: Sequence[SimulatorRequest], mode: SampledMode) -> Appraised:
+        """A sampled mode's appraisal of each request: its appraise prompt
+        (:func:`~rlver_lib.user_prompts.appraise_messages`, the files it names) fitted to
+        ``max_new_tokens``, one batched structured call on its schema, parsed by it, with
+        bounded retries (seeds from (seed, ``"appraise"``, turn, attempt))."""
+        render = lambda r: appraise_messages(r, self.cfg.difficulty, mode)  # noqa: E731
+        return self._fitted_appraisals(requests, render, self.cfg.max_new_tokens, lambda batch: self._structured(
+            [render(r) for r in batch], mode.appraise_schema(self.cfg), mode.parse, "appraise",
+            _turn_index(requests)))
+
+    def checklist_appraisals(self, requests: Sequence[SimulatorRequest], mode: ExpectedMode) -> Appraised:
+        """A checklist mode's appraisal of each request: the prompt of its guard question
+        fitted to ``mode.new_tokens``, then :meth:`_checklist_rounds`."""
+        render = lambda r: checklist_messages(r, checklist(r.scenario)[-1])  # noqa: E731
+        return self._fitted_appraisals(requests, render, mode.new_tokens,
+                                       lambda batch: self._checklist_rounds(batch, mode))
+
+    def _checklist_rounds(self, requests: Sequence[SimulatorRequest],
+                          mode: ExpectedMode) -> tuple[list[Any], list[StructuredResult]]:
+        """The checklist appraisal of each request, read out by ``mode``.
 
         One round per (question, answer order): each round sends that question about
         every request in one batched ``next_token_logprobs`` call, so a server that keeps
         one dialogue per slot re-reads only the question (the transcript before it is the
         slot's cached prefix). A failed request is asked again at most ``max_retries``
         times within its round; a request with a question still unanswered fails."""
-        questions = [checklist(r.scenario, self.cfg.expected_questions) for r in requests]
-        orders = ("yes_no", "no_yes") if self.cfg.expected_answer_order == "both" else (
-            self.cfg.expected_answer_order,)
+        questions = [checklist(r.scenario, mode.question_keys(self.cfg)) for r in requests]
+        orders = mode.answer_orders(self.cfg)
         logs = [StructuredResult() for _ in requests]
         answers: list[dict[tuple[str, str], dict[str, float]]] = [{} for _ in requests]
         for j in range(max(len(qs) for qs in questions)):
             for order in orders:
                 asked = [i for i, qs in enumerate(questions) if j < len(qs)]
                 convs = {i: checklist_messages(requests[i], questions[i][j], order) for i in asked}
-                for i, top in self._score_round(convs, logs, f"{order}:{j}").items():
+                for i, top in self._score_round(convs, logs, f"{order}:{j}", mode.top_logprobs).items():
                     answers[i][(questions[i][j].key, order)] = top
         results: list[Any] = [None] * len(requests)
         for i in range(len(requests)):
@@ -265,22 +279,23 @@ class UserSimulator(Closing):
             if len(answers[i]) < len(questions[i]) * len(orders):
                 continue
             try:
-                results[i] = self._expected(questions[i], orders, answers[i])
+                results[i] = mode.read_out(questions[i], orders, answers[i], self.cfg)
             except UnusableOutput as err:
                 logs[i].failures.append(f"appraise: {err}")
         return results, logs
 
     def _score_round(self, convs: dict[int, Conversation], logs: list[StructuredResult],
-                     name: str) -> dict[int, dict[str, float]]:
-        """``next_token_logprobs`` of each conversation (keyed by request index), with
-        bounded retries of the failed ones; failures are logged per request."""
+                     name: str, top_n: int) -> dict[int, dict[str, float]]:
+        """``next_token_logprobs`` (the ``top_n`` most likely tokens) of each conversation
+        (keyed by request index), with bounded retries of the failed ones; failures are
+        logged per request."""
         got: dict[int, dict[str, float]] = {}
         pending = list(convs)
         for attempt in range(self.cfg.max_retries + 1):
             if not pending or self.fatal_error:
                 break
             try:
-                tops = self.backend.next_token_logprobs([convs[i] for i in pending], self.TOP_N)
+                tops = self.backend.next_token_logprobs([convs[i] for i in pending], top_n)
                 errors: list[str | None] = [None] * len(pending)
             except BackendError as err:
                 if isinstance(err, BackendDied):
@@ -298,23 +313,6 @@ class UserSimulator(Closing):
                     got[i] = top
             pending = still
         return got
-
-    def _expected(self, questions: list[ChecklistQuestion], orders: Sequence[str],
-                  answers: dict[tuple[str, str], dict[str, float]]) -> dict[str, Any]:
-        """The appraisal record of one request from its answered checklist: per question
-        P(yes) in each answer order and their mean (the order's position bias cancels)."""
-        rows = []
-        for q in questions:
-            by_order = {o: answer_probability(answers[(q.key, o)], ("yes", "是"), ("no", "否")) for o in orders}
-            rows.append({"key": q.key, "question": q.text, "p_yes": sum(by_order.values()) / len(by_order),
-                         "p_yes_by_order": by_order,
-                         "top_logprobs": {o: answers[(q.key, o)] for o in orders}})
-        content = [row["p_yes"] for row, q in zip(rows, questions) if not q.guard]
-        guard = next(row["p_yes"] for row, q in zip(rows, questions) if q.guard)
-        center = self.cfg.expected_center + DIFFICULTY_SHIFT[self.cfg.difficulty]
-        change = expected_change(content, guard, center=center, scale=self.cfg.expected_scale)
-        return {"mode": "expected", "checklist": rows, "content_score": sum(content) / len(content),
-                "guard": guard, "center": center, "scale": self.cfg.expected_scale, "change": change}
 
     def appraise(self, requests: Sequence[SimulatorRequest]) -> list[SimulatorTurn]:
         """The appraise call and the update rule only (``reply=None``, ``goodbye`` False).
@@ -341,9 +339,9 @@ class UserSimulator(Closing):
         replies: list[Any] = [None] * len(requests)
         reply_logs = [StructuredResult() for _ in requests]
         if ok:
-            reasoning = self.cfg.appraisal not in ("expected", "learned")
+            reasoning = self.mode.reasoning
             got, logs = self._structured(
-                [reply_messages(fitted[i], appraisals[i], updated[i][1]) for i in ok],
+                [reply_messages(fitted[i], appraisals[i], updated[i][1], reasoning=reasoning) for i in ok],
                 reply_schema(self.cfg.appraisal_chars, self.cfg.message_chars, reasoning=reasoning),
                 lambda text: parse_reply(text, reasoning=reasoning), "reply", _turn_index(requests),
             )

@@ -17,7 +17,7 @@ from importlib import resources
 from string import Template
 from typing import Any, Sequence
 
-from rlver_lib.appraisal import Difficulty, mood_for
+from rlver_lib.appraisal import APPRAISAL_MODES, AppraisalMode, Difficulty, appraisal_mode, mood_for
 from rlver_lib.backends import Conversation
 
 
@@ -122,8 +122,11 @@ def _exchange(user: str, scenario: Any) -> Conversation:
     return [{"role": "system", "content": _system_prompt(scenario)}, {"role": "user", "content": user}]
 
 
-def appraise_messages(request: SimulatorRequest, difficulty: Difficulty, mode: str = "first_person") -> Conversation:
-    """Chat messages of a sampled appraise step (``mode`` ``sage`` or ``first_person``).
+def appraise_messages(request: SimulatorRequest, difficulty: Difficulty,
+                      mode: str | AppraisalMode = "first_person") -> Conversation:
+    """Chat messages of a sampled appraise step (``mode``: a sampled mode or its name,
+    ``first_person`` or ``sage``; the files it names,
+    :meth:`~rlver_lib.appraisal.SampledMode.appraise_files`).
 
     Layout for prefix reuse: the static system prompt, then the transcript, then the
     per-call instruction with the current score, so this turn's prompt up to the end
@@ -131,14 +134,15 @@ def appraise_messages(request: SimulatorRequest, difficulty: Difficulty, mode: s
     """
     language = scenario_language(request.scenario)
     mood = mood_for(request.emotion)
-    variant = "_sage" if mode == "sage" else ""
+    sampled = appraisal_mode(mode) if isinstance(mode, str) else mode
+    appraise_file, rubric_file = sampled.appraise_files(language, difficulty)
     user = _fill(
-        f"sim_appraise{variant}_{language}.txt",
+        appraise_file,
         transcript=render_transcript(request.history, language),
         emotion=_shown(request.emotion),
         mood=mood,
         mood_meaning=_vocab(language)["moods"][mood]["meaning"],
-        guidance=prompt_text(f"sim_difficulty_{difficulty}{variant}_{language}.txt").strip(),
+        guidance=prompt_text(rubric_file).strip(),
     )
     return _exchange(user, request.scenario)
 
@@ -202,10 +206,15 @@ def appraisal_notes(appraisal: dict[str, Any], language: str) -> str:
     return "\n".join(f"- {label}: {appraisal[name]}" for name, label in vocab["appraisal_notes"].items())
 
 
-def reply_messages(request: SimulatorRequest, appraisal: dict[str, Any], emotion: float) -> Conversation:
+def reply_messages(request: SimulatorRequest, appraisal: dict[str, Any], emotion: float, *,
+                   reasoning: bool | None = None) -> Conversation:
     """Chat messages of the reply step, given the appraisal and the updated emotion
     (same layout as :func:`appraise_messages`; the output fields named are those of
-    :func:`~rlver_lib.appraisal.reply_schema`, without ``reasoning`` after a checklist appraisal)."""
+    :func:`~rlver_lib.appraisal.reply_schema`: with ``reasoning`` when ``reasoning`` is
+    true, the appraisal mode's :attr:`~rlver_lib.appraisal.AppraisalMode.reasoning`;
+    ``None``: unless the appraisal is a checklist)."""
+    if reasoning is None:
+        reasoning = "checklist" not in appraisal
     language = scenario_language(request.scenario)
     mood = mood_for(emotion)
     vocab = _vocab(language)
@@ -219,7 +228,7 @@ def reply_messages(request: SimulatorRequest, appraisal: dict[str, Any], emotion
         mood_instruction=vocab["moods"][mood]["instruction"],
         personality_rule=vocab["personality_rules"].get(
             getattr(request.scenario, "personality", ""), vocab["personality_rule_default"]),
-        reply_fields=vocab["reply_fields"]["plain" if "checklist" in appraisal else "with_reasoning"],
+        reply_fields=vocab["reply_fields"]["with_reasoning" if reasoning else "plain"],
     )
     return _exchange(user, request.scenario)
 
@@ -235,23 +244,21 @@ def opening_messages(scenario: Any) -> Conversation:
 
 def prompt_files(sim_cfg: Any) -> list[str]:
     """The prompt files (names in ``rlver_lib/prompts``) a simulator of this config reads,
-    sorted: the appraise text and rubric of its sampled mode
-    (``sim_appraise[_sage]_<lang>.txt``, ``sim_difficulty_<difficulty>[_sage]_<lang>.txt``),
-    or the checklist of the ``expected`` mode (``sim_checklist_<lang>.json``), and every
-    other ``sim_*`` file (system, vocabulary, reply, opening, and any added later), in
-    both languages; no other mode's or difficulty's texts. A judge's identity
-    fingerprints them (:func:`rlver_lib.evaluation.judge.judge_description`)."""
-    mode = getattr(sim_cfg, "appraisal", "first_person")
-    variant = "_sage" if mode == "sage" else ""
-    own = {"appraise": rf"sim_appraise{variant}_[a-z]+\.txt",
-           "difficulty": rf"sim_difficulty_{re.escape(sim_cfg.difficulty)}{variant}_[a-z]+\.txt",
-           "checklist": r"sim_checklist_[a-z]+\.json"}
-    wanted = ("checklist",) if mode == "expected" else ("appraise", "difficulty")
+    sorted: its appraisal mode's own files
+    (:meth:`~rlver_lib.appraisal.AppraisalMode.own_prompt_files`: a sampled mode's
+    appraise text and rubric, ``sim_appraise[_sage]_<lang>.txt`` and
+    ``sim_difficulty_<difficulty>[_sage]_<lang>.txt``; the ``expected`` mode's checklist,
+    ``sim_checklist_<lang>.json``; none for ``learned``), and every other ``sim_*`` file
+    (system, vocabulary, reply, opening, and any added later), in both languages; no
+    other mode's or difficulty's texts. A judge's identity fingerprints them
+    (:func:`rlver_lib.evaluation.judge.judge_description`)."""
+    own = appraisal_mode(getattr(sim_cfg, "appraisal", "first_person")).own_prompt_files(sim_cfg.difficulty)
+    kinds = sorted({kind for mode in APPRAISAL_MODES.values() for kind in mode.prompt_patterns})
     names = sorted(e.name for e in resources.files("rlver_lib").joinpath("prompts").iterdir()
                    if e.name.startswith("sim_"))
     kept = []
     for name in names:
-        kind = next((k for k in own if name.startswith(f"sim_{k}_")), None)
-        if kind is None or (kind in wanted and re.fullmatch(own[kind], name)):
+        kind = next((k for k in kinds if name.startswith(f"sim_{k}_")), None)
+        if kind is None or (kind in own and re.fullmatch(own[kind], name)):
             kept.append(name)
     return kept

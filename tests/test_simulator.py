@@ -9,12 +9,22 @@ import json
 
 import pytest
 
-from rlver_lib.appraisal import SimulatorError, apply_change, mood_for, parse_appraisal, parse_reply
-from rlver_lib.backends import BackendError, Generation, derive_seed
+from rlver_lib.appraisal import (
+    APPRAISAL_MODES,
+    AppraisalMode,
+    SampledMode,
+    SimulatorError,
+    apply_change,
+    mood_for,
+    parse_appraisal,
+    parse_reply,
+    structured_schemas,
+)
+from rlver_lib.backends import BackendError, Generation, StructuredResult, derive_seed
 from rlver_lib.config import SimulatorConfig
 from rlver_lib.scenarios import Scenario
 from rlver_lib.simulator import RuleSimulator, UserSimulator, default_change_fn
-from rlver_lib.user_prompts import SimulatorRequest
+from rlver_lib.user_prompts import SimulatorRequest, prompt_files
 
 
 def sampled(**fields) -> SimulatorConfig:
@@ -554,3 +564,73 @@ def test_checklist_questions_share_the_transcript_prefix_with_the_reply_call():
     assert first[0] == reply[0]
     assert "yes or no" in first[1]["content"] and "no or yes" in checklist_messages(req, checklist(req.scenario)[0],
                                                                                     "no_yes")[1]["content"]
+
+
+# --------------------------------------------------------------------------- a new appraisal mode
+
+
+class ThreePointMode(SampledMode):
+    """A sampled mode on a three-point scale, reading the first-person prompts."""
+
+    name = "three_point"
+    scale = (-10, 0, 10)
+
+
+class ConstantMode(AppraisalMode):
+    """A mode without a model call: every reply moves the emotion by 2.5."""
+
+    name = "constant"
+    reasoning = False
+
+    def appraise(self, user, requests):
+        return (list(requests), [0] * len(requests), [{"checklist": [], "change": 2.5} for _ in requests],
+                [StructuredResult() for _ in requests])
+
+
+def test_a_registered_sampled_mode_is_used_by_the_simulator_as_it_is(monkeypatch):
+    """Adding a mode is one class and one registry line: the simulator, its prompts and
+    schemas and a judge's prompt list need nothing else (the config's validation is
+    passed by here; a real mode adds its name to ``UserModelConfig.appraisal``)."""
+    monkeypatch.setitem(APPRAISAL_MODES, "three_point", ThreePointMode)
+    cfg = sampled(max_retries=1).model_copy(update={"appraisal": "three_point"})
+    backend = ScriptedBackend([appraisal_json(5), appraisal_json(10)], [reply_json()])
+    [turn] = UserSimulator(backend, cfg, seed=0).step([request()])
+    assert backend.calls[0][2]["properties"]["change"]["enum"] == [-10, 0, 10]
+    # +5 is off its scale: unusable, asked again, the +10 is kept
+    assert turn.change == 10 and "not on the scale" in turn.failures[0]
+    assert turn.appraisal["reply_reasoning"] == "PRIVATE-REASONING"
+    assert structured_schemas(cfg)["appraise"]["properties"]["change"]["enum"] == [-10, 0, 10]
+    assert prompt_files(cfg) == prompt_files(sampled())
+
+
+def test_a_registered_mode_without_a_model_call_is_used_by_the_simulator_as_it_is(monkeypatch):
+    monkeypatch.setitem(APPRAISAL_MODES, "constant", ConstantMode)
+    cfg = sampled().model_copy(update={"appraisal": "constant"})
+    backend = ScriptedBackend([appraisal_json(0)], [json.dumps({"message": "Fine.", "end_conversation": False})])
+    [turn] = UserSimulator(backend, cfg, seed=0).step([request(emotion=50)])
+    assert (turn.change, turn.emotion, turn.reply, turn.error) == (2.5, 52.5, "Fine.", None)
+    # one call, the reply, without reasoning
+    [(_, _, schema)] = backend.calls
+    assert set(schema["properties"]) == {"message", "end_conversation"}
+    assert set(structured_schemas(cfg)) == {"reply", "opening"}
+    assert not {n for n in prompt_files(cfg) if n.startswith(("sim_appraise_", "sim_checklist_"))}
+
+
+def test_the_learned_mode_reads_its_appraiser_once_and_makes_no_appraise_call(monkeypatch):
+    made = []
+
+    class FakeHead:
+        def __init__(self):
+            made.append(self)
+
+        def __call__(self, requests):
+            return [{"mode": "learned", "checklist": [], "change": -3.25, "texts_cut": 0} for _ in requests]
+
+    monkeypatch.setattr("rlver_lib.appraisal.LearnedAppraisal", FakeHead)
+    backend = ScriptedBackend([appraisal_json(0)], [json.dumps({"message": "Hm.", "end_conversation": False})])
+    sim = UserSimulator(backend, SimulatorConfig(appraisal="learned"), seed=0)
+    assert len(made) == 1  # read at construction, before any dialogue
+    [turn] = sim.step([request(emotion=50)])
+    assert (turn.change, turn.emotion, turn.appraisal["mode"]) == (-3.25, 46.75, "learned")
+    [(_, _, schema)] = backend.calls  # the reply only, without reasoning
+    assert "reasoning" not in schema["properties"] and len(made) == 1
