@@ -384,7 +384,7 @@ def prepare_embedded(
 def build_simulator(sim_cfg: UserModelConfig, seed: int) -> UserSimulator | RuleSimulator:
     """The simulated user a config asks for, the training simulator's (``simulator``) or
     the benchmark judge's (``evaluation.judge``, through
-    ``rlver_lib.evaluation.judge.build_judge``): :class:`RuleSimulator` (default change
+    ``rlver_lib.evaluation.judge.Judge``): :class:`RuleSimulator` (default change
     function, no model) when ``sim_cfg.backend == "rule"``, else a :class:`UserSimulator`
     over :func:`make_simulator_backend` (which may start a server
     process: close it with ``simulator.backend.close()``)."""

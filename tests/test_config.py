@@ -124,7 +124,7 @@ def test_an_old_runs_config_yaml_with_unused_keys_is_still_read(tmp_path):
         prepare_run_dir(cfg)
 
 
-# the quickstart judge as build_judge built it before the endpoint config: evaluation.judge
+# the quickstart judge as it was built before the endpoint config: evaluation.judge
 # dumped, its seed popped, rebuilt as a SimulatorConfig at the benchmark's start emotion
 # (with the quickstart's later expected-value appraisal settings)
 QUICKSTART_JUDGE_BEFORE = {
@@ -140,13 +140,13 @@ QUICKSTART_JUDGE_BEFORE = {
 
 def test_the_quickstart_judge_is_built_from_its_config_as_before(monkeypatch):
     from rlver_lib import models
-    from rlver_lib.evaluation.judge import build_judge, judge_description
+    from rlver_lib.evaluation.judge import Judge
     from rlver_lib.simulator import UserSimulator
 
     backend = SimpleNamespace(next_token_logprobs=None)  # the expected-value appraisal needs one
     monkeypatch.setattr(models, "make_simulator_backend", lambda sim_cfg, seed: backend)
     cfg = load_config(ROOT / "params" / "quickstart.yaml")
-    judge = build_judge(cfg.evaluation, cfg.seed)
+    judge = Judge.from_config(cfg.evaluation, cfg.seed).simulator
     assert isinstance(judge, UserSimulator) and judge.backend is backend and judge.seed == cfg.seed
     assert judge.cfg is cfg.evaluation.judge  # its own config, not a rebuilt copy
     # every field as before, less the start emotion the judge never read (the opening prompt has none)
@@ -155,4 +155,4 @@ def test_the_quickstart_judge_is_built_from_its_config_as_before(monkeypatch):
     assert cfg.evaluation.initial_emotion == QUICKSTART_JUDGE_BEFORE["initial_emotion"]
     # and it is described as before, so summaries scored before compare with new ones
     old_judge_section = SimpleNamespace(**{**before, "initial_emotion": 50, "seed": None})
-    assert judge_description(cfg.evaluation.judge, 0) == judge_description(old_judge_section, 0)
+    assert Judge(cfg.evaluation.judge, 0).description == Judge(old_judge_section, 0).description

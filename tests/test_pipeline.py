@@ -30,7 +30,7 @@ from rlver_lib.pipeline.notebook import (
     validate_scenario_sources,
     write_run_scenarios,
 )
-from rlver_lib.pipeline.report import NOTEBOOK_DIR, limits_statement, render_report
+from rlver_lib.pipeline.report import NOTEBOOK_DIR, limits_statement, render_report, report_header
 from rlver_lib.pipeline.run import (
     FOLLOW_POLL_S,
     PipelineError,
@@ -329,13 +329,39 @@ def test_non_main_rank_waits_for_rank_0_then_runs_only_training(tmp_path, notebo
 def test_evaluate_on_a_non_main_rank_loads_nothing_and_calls_no_judge(tmp_path, monkeypatch):
 
     calls = []
-    monkeypatch.setattr("rlver_lib.evaluation.stage.build_judge", lambda *a, **k: calls.append("judge"))
+    monkeypatch.setattr("rlver_lib.evaluation.stage.Judge.from_config", lambda *a, **k: calls.append("judge"))
     monkeypatch.setattr("rlver_lib.evaluation.stage.load_policy", lambda *a, **k: calls.append("policy"))
     monkeypatch.setenv("RANK", "1")
     cfg = _cfg(tmp_path)
     assert evaluate(cfg, label="baseline") is None
     assert eval_command(cfg) == 0
     assert calls == [] and not cfg.run_dir.exists()
+
+
+def test_the_report_names_the_judge_once_as_its_benchmark_recorded_it(tmp_path):
+    """Issue 33: the header named the judge twice (the headline from ``summary.json``, a
+    judge statement rebuilt from the config without what its server serves) and notebook
+    04 once per evaluation; now the headline alone names it, with the served model."""
+    from evaluation_support import scored
+
+    from rlver_lib.evaluation.benchmark import protocol_description, summarize, write_summary
+    from rlver_lib.evaluation.judge import Judge
+
+    cfg = _cfg(tmp_path)
+    judge = Judge.from_config(cfg.evaluation, cfg.seed)
+    judge.served = {"models": [{"id": "judge", "root": "org/judge-weights"}], "model_listed": True}
+    for label in ("baseline", "trained"):
+        write_summary(summarize([scored("s0", 0, 50)], n_boot=10), cfg.run_dir / "eval" / label, label,
+                      {"judge": judge.description, "protocol": protocol_description(cfg.evaluation)})
+    header = report_header(cfg, {"git": {"commit": "abc"}})
+    assert header.count(judge.name) == 1 and "(serving `org/judge-weights`)" in judge.name
+    assert header.count("Judge:") == 1 and "Benchmark judge" not in header
+    # nor a second time as the config alone would name it (backend on, without the served model)
+    assert header.count(Judge.from_config(cfg.evaluation, cfg.seed).name.split(" through ")[1]) == 1
+    # notebook 04 states its judge only outside the report
+    template = nbformat.read(NOTEBOOK_DIR / "04_evaluation.ipynb", as_version=4)
+    naming = [c for c in template.cells if "judge_statement" in c.source]
+    assert len(naming) == 1 and "report-skip" in naming[0].metadata.get("tags", [])
 
 
 def test_limits_statement_names_models_and_limits_only_for_small_models():

@@ -41,8 +41,8 @@ from rlver_lib.analysis.strategies import (
     strategy_mix,
     strategy_use,
 )
-from rlver_lib.backends import ChatBackend, TransformersBackend, close_backend
-from rlver_lib.evaluation.judge import build_judge, judge_seed
+from rlver_lib.backends import ChatBackend, TransformersBackend
+from rlver_lib.evaluation.judge import Judge
 from rlver_lib.files import RunFolder
 from rlver_lib.models import load_policy
 from rlver_lib.records import scored_records
@@ -188,16 +188,13 @@ def hacking_analysis(run_dir: str | Path, *, n_boot: int = 1000, confidence: flo
 
 def injection_analysis(cfg: Any, run_dir: str | Path) -> pd.DataFrame:
     """The injection probes against the configured benchmark judge
-    (``evaluation.judge``, :func:`rlver_lib.evaluation.judge.build_judge`) on the run's test
+    (``evaluation.judge``, :class:`rlver_lib.evaluation.judge.Judge`) on the run's test
     scenarios (the first ``analysis.probe_scenarios``; all when ``None``), from the
     benchmark's start emotion.  Writes ``injection_probes.csv`` (every appraisal) and
     ``injection_summary.csv`` (:func:`summarize_injection`); returns the summary."""
     scenarios = load_scenarios(RunFolder(run_dir).scenarios("test"))[: cfg.analysis.probe_scenarios]
-    judge = build_judge(cfg.evaluation, cfg.seed)
-    try:
-        probes = run_injection_probes(judge, scenarios, emotion=cfg.evaluation.initial_emotion)
-    finally:
-        close_backend(judge)
+    with Judge.from_config(cfg.evaluation, cfg.seed) as judge:
+        probes = run_injection_probes(judge.simulator, scenarios, emotion=cfg.evaluation.initial_emotion)
     summary = summarize_injection(probes, n_boot=cfg.evaluation.bootstrap_samples,
                                   confidence=cfg.evaluation.confidence, seed=cfg.seed)
     write_table(run_dir, "injection_probes", probes)
@@ -216,19 +213,19 @@ def consistency_analysis(cfg: Any, run_dir: str | Path, label: str = "trained") 
     samples = requests_from_records(records, scenarios, n=cfg.analysis.consistency_sample, seed=cfg.seed)
     if not samples:
         return None
-    built: list[Any] = []
+    built: list[Judge] = []
 
     def make(seed: int) -> Any:
         judge_cfg = cfg.evaluation.judge.model_copy(update={"seed": seed})
-        built.append(build_judge(cfg.evaluation.model_copy(update={"judge": judge_cfg}), cfg.seed))
-        return built[-1]
+        built.append(Judge.from_config(cfg.evaluation.model_copy(update={"judge": judge_cfg}), cfg.seed))
+        return built[-1].simulator
 
-    base_seed = judge_seed(cfg.evaluation, cfg.seed)
+    base_seed = Judge.from_config(cfg.evaluation, cfg.seed).seed
     try:
         return simulator_consistency(make, samples, seed=base_seed, other_seed=base_seed + 1)
     finally:
         for judge in built:
-            close_backend(judge)
+            judge.close()
 
 
 def sycophancy_analysis(cfg: Any, run_dir: str | Path, annotator: ChatBackend,

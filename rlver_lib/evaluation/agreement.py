@@ -38,7 +38,6 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from rlver_lib.appraisal import apply_change
-from rlver_lib.backends import close_backend
 from rlver_lib.evaluation.agreement_stats import (
     N_PERMUTATIONS,
     agreement_metrics,
@@ -48,7 +47,7 @@ from rlver_lib.evaluation.agreement_stats import (
     partial_block,
     permutation_test_partial,
 )
-from rlver_lib.evaluation.judge import build_judge, judge_description, judge_seed
+from rlver_lib.evaluation.judge import Judge
 from rlver_lib.evaluation.reply_blind import (
     BASELINES,
     crossfit_reply_blind,
@@ -550,24 +549,25 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
     if not chosen:
         print("error: the files hold no replayable turn (an assistant reply followed by a change)", file=sys.stderr)
         return 2
-    judge = build_judge(cfg.evaluation, cfg.seed)
-    again = build_judge(retest_cfg.evaluation, retest_cfg.seed) if retest_cfg is not None else None
+    judge = Judge.from_config(cfg.evaluation, cfg.seed)
+    simulator = judge.simulator
+    again = Judge.from_config(retest_cfg.evaluation, retest_cfg.seed) if retest_cfg is not None else None
+    retest = again.simulator if again is not None else None
     try:
-        result = judge_agreement(chosen, scenarios, judge, n_boot=cfg.evaluation.bootstrap_samples,
+        result = judge_agreement(chosen, scenarios, simulator, n_boot=cfg.evaluation.bootstrap_samples,
                                  confidence=cfg.evaluation.confidence, seed=seed,
                                  batch_size=cfg.evaluation.judge.concurrency, progress=progress,
-                                 permutation_resamples=permutations, retest=again, pool=turns)
+                                 permutation_resamples=permutations, retest=retest, pool=turns)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
-        close_backend(judge)
+        judge.close()
         if again is not None:
-            close_backend(again)
-    if retest_cfg is not None:
-        result["retest"]["judge"] = judge_description(retest_cfg.evaluation.judge,
-                                                      judge_seed(retest_cfg.evaluation, retest_cfg.seed))
-    result = {"judge": judge_description(cfg.evaluation.judge, judge_seed(cfg.evaluation, cfg.seed)),
+            again.close()
+    if again is not None:
+        result["retest"]["judge"] = again.description
+    result = {"judge": judge.description,
               "files": [str(f) for f in files], "sample": sample, "dialogues": dialogues, "seed": seed,
               "exclude_profiles": exclude_profiles,
               "n_available_turns": len(turns), "n_available_dialogues": len({t.dialogue for t in turns}),

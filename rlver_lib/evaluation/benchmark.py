@@ -311,8 +311,9 @@ def run_benchmark(
     """Run the Sentient benchmark and write ``out_dir/{dialogues.jsonl, summary.json,
     breakdown.csv, trajectory.csv}`` atomically.
 
-    ``simulator`` is the judge (:func:`build_judge`); ``judge`` its
-    :func:`judge_description`, recorded in ``summary.json`` with the protocol.
+    ``simulator`` is the judge's simulated user (:attr:`rlver_lib.evaluation.judge.Judge.simulator`);
+    ``judge`` its :attr:`~rlver_lib.evaluation.judge.Judge.description`, recorded in
+    ``summary.json`` with the protocol.
     Scenarios: all of ``scenarios`` (the caller cuts them to ``scenarios.limit_test``).  Each of
     ``eval_cfg.repeats`` repeats plays one dialogue per scenario with its own seed
     (repeat 0: ``seed``; repeat k: ``derive_seed(seed, "repeat", k)``, for the policy

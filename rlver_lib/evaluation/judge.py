@@ -1,8 +1,9 @@
 """The benchmark's judge: a simulated user configured on its own (``evaluation.judge``),
-never the training simulator. Built (:func:`build_judge`), seeded (:func:`judge_seed`),
-described and fingerprinted (:func:`judge_description`: config, prompt and schema
-hashes, what a server serves), named (:func:`judge_name`); comparisons refuse mixed
-judges (:func:`check_same_judge`, :class:`JudgeMismatchError`).
+never the training simulator.  :class:`Judge` is built once from that config
+(:meth:`Judge.from_config`) and holds its seed, the simulator it runs, what its server
+says it serves, its description (config, prompt and schema hashes, the served model)
+and its name; comparisons refuse mixed judges (:func:`check_same_judge`,
+:class:`JudgeMismatchError`).  The module keeps no state: each judge holds its own.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 from importlib import resources
 from pathlib import Path
-from typing import Any, Sequence
+from types import MappingProxyType, TracebackType
+from typing import Any, Mapping, Sequence
 
 from rlver_lib.appraisal import DIFFICULTY_SHIFT, structured_schemas
+from rlver_lib.backends import close_backend
 from rlver_lib.models import build_simulator
 from rlver_lib.simulator import UserSimulator
 from rlver_lib.user_prompts import prompt_files
@@ -41,9 +45,9 @@ _JUDGE_FIRST = ("backend", "model", "base_url", "difficulty", "appraisal", "temp
 #: Settings read with a default, so a config written before the field existed is still
 #: described (the values a field-less config meant: no sampling cut, no penalty, the
 #: first-person appraisal).
-_JUDGE_DEFAULTS: dict[str, Any] = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                                   "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                                   "appraisal": "first_person"}
+_JUDGE_DEFAULTS: Mapping[str, Any] = MappingProxyType({"top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                                      "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                                      "frequency_penalty": 0.0, "appraisal": "first_person"})
 #: Per served model, the fields of ``GET /v1/models`` that identify it (``created`` and
 #: ``permission`` change from call to call and are left out).
 _SERVED_MODEL_FIELDS = ("id", "owned_by", "root", "parent", "max_model_len", "meta")
@@ -54,9 +58,6 @@ _MAX_LISTED_MODELS = 20
 #: changes from call to call.
 _VOLATILE_SLOT_FIELDS = frozenset({"id", "id_slot", "id_task", "is_processing", "next_token", "prompt",
                                    "tokens", "n_past", "n_decoded", "t_start"})
-#: What :func:`build_judge` learnt from each judge's server in this process, keyed by
-#: :func:`_served_key`; :func:`judge_description` records it.
-_SERVED: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 
 def _prompt_fingerprint(files: Sequence[str]) -> str:
@@ -73,10 +74,6 @@ def _schema_fingerprint(schemas: dict[str, Any]) -> str:
     """SHA-256 of ``schemas`` as canonical JSON (sorted keys, no spaces, UTF-8)."""
     text = json.dumps(schemas, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def _served_key(judge_cfg: Any) -> tuple[Any, ...]:
-    return (judge_cfg.backend, getattr(judge_cfg, "base_url", None), judge_cfg.model)
 
 
 def _get_json(client: Any, url: str) -> tuple[Any, str | None]:
@@ -169,54 +166,6 @@ def _served_base_url(backend: Any) -> str | None:
     return None
 
 
-def judge_description(judge_cfg: Any, seed: int, served: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What identifies a judge, as recorded in ``summary.json`` and the report header.
-
-    ``judge_cfg``: an ``evaluation.judge`` (or any simulator config); ``seed``: the
-    seed the judge samples with.  The rule backend is described by its change function
-    alone.  An LLM judge by every config field that shapes its answers (all but
-    :data:`_JUDGE_OPERATIONAL`): backend, model, base URL, difficulty, appraisal mode,
-    every sampling setting (temperature, ``top_p``, ``top_k``, ``min_p``, the
-    repetition, presence and frequency penalties; read with the defaults of
-    :data:`_JUDGE_DEFAULTS` where a config lacks them), token budget, ``n_ctx``, the
-    field caps, the ``expected_*`` settings of an ``expected`` appraisal (with the code's
-    ``expected_difficulty_shift`` and ``expected_top_logprobs``); plus ``seed``,
-    ``prompt_files`` and ``prompts_sha256`` (the prompt files it reads, so an edited
-    prompt is a different judge), ``schemas_sha256`` (the JSON schemas built in code)
-    and ``served``: what its server answered (:func:`served_model_identity`; default:
-    what :func:`build_judge` recorded in this process for a judge of this backend,
-    base URL and model, absent when nothing was asked).
-    """
-    if judge_cfg.backend == "rule":
-        return {"backend": "rule", "change_function": "default_change_fn"}
-    fields = dict(judge_cfg.model_dump()) if hasattr(judge_cfg, "model_dump") else dict(vars(judge_cfg))
-    if "repetition_penalty" not in fields and "repeat_penalty" in fields:
-        fields["repetition_penalty"] = fields.pop("repeat_penalty")
-    fields = {**_JUDGE_DEFAULTS, **fields}
-    appraisal = str(fields["appraisal"])
-    kept = {k: v for k, v in fields.items()
-            if k not in _JUDGE_OPERATIONAL and (appraisal == "expected" or not k.startswith("expected_"))}
-    described = {k: kept.pop(k) for k in _JUDGE_FIRST if k in kept}
-    described.update(sorted(kept.items()))
-    if appraisal == "expected":  # the code's constants of a checklist appraisal
-        described.update(expected_difficulty_shift=DIFFICULTY_SHIFT[judge_cfg.difficulty],
-                         expected_top_logprobs=UserSimulator.TOP_N)
-    files = prompt_files(judge_cfg)
-    described.update(seed=int(seed), prompt_files=files, prompts_sha256=_prompt_fingerprint(files),
-                     schemas_sha256=_schema_fingerprint(structured_schemas(judge_cfg)))
-    if served is None:
-        served = _SERVED.get(_served_key(judge_cfg))
-    if served is not None:
-        described["served"] = copy.deepcopy(served)
-    return described
-
-
-def judge_seed(eval_cfg: Any, run_seed: int) -> int:
-    """The judge's seed: ``evaluation.judge.seed``, else the run's seed."""
-    seed = getattr(eval_cfg.judge, "seed", None)
-    return run_seed if seed is None else int(seed)
-
-
 def _served_name(served: dict[str, Any] | None) -> str | None:
     """The weights behind a served alias, as its server named them: vLLM's ``root``
     when it differs from the alias, else the file of llama.cpp's ``model_path``."""
@@ -229,46 +178,133 @@ def _served_name(served: dict[str, Any] | None) -> str | None:
     return Path(str(path)).name if path else None
 
 
-def judge_name(judge: dict[str, Any]) -> str:
-    """A one-line name of a :func:`judge_description` for reports."""
-    if judge.get("backend") == "rule":
-        return "the rule simulator (no language model)"
-    where = f" at {judge['base_url']}" if judge.get("base_url") else ""
-    behind = _served_name(judge.get("served"))
-    serving = f" (serving `{behind}`)" if behind else ""
-    if judge.get("served", {}).get("model_listed") is False:
-        serving += " (not listed by its server)"
-    sampling = ", ".join(f"{k} {judge[k]}" for k in ("top_p", "top_k", "min_p", "repetition_penalty",
-                                                     "presence_penalty", "frequency_penalty") if k in judge)
-    appraisal = f", {judge['appraisal']} appraisal" if judge.get("appraisal") else ""
-    return (f"`{judge.get('model')}`{serving} through `{judge.get('backend')}`{where}, {judge.get('difficulty')} "
-            f"difficulty{appraisal}, temperature {judge.get('temperature')}"
-            + (f", {sampling}" if sampling else "") + f", seed {judge.get('seed')}")
+class Judge:
+    """The benchmark's judge (``evaluation.judge``, never ``cfg.simulator``), built once
+    from its config by :meth:`from_config`; the benchmark, the report and ``rlver eval``
+    ask it.
 
-
-def build_judge(eval_cfg: Any, run_seed: int) -> Any:
-    """The benchmark's judge from ``evaluation.judge`` (never ``cfg.simulator``).
-
-    Built from its config by ``models.build_simulator``, as the training simulator is,
-    and seeded with :func:`judge_seed`.  A judge behind an HTTP server
-    (``openai``, ``llamacpp``) is asked once what it serves
-    (:func:`served_model_identity`, API key from ``api_key_env``); the answer is kept as
-    the simulator's ``served_model`` and recorded by :func:`judge_description`.  Close an
-    LLM judge's backend after use (:func:`close_backend`).
+    ``config``: an ``evaluation.judge`` section (or any simulator config); ``seed``: the
+    seed the judge samples with.  It holds its :attr:`simulator` (built on first use),
+    :attr:`served` (what its server says it serves), its :attr:`description` and its
+    :attr:`name`.  Close it after use (:meth:`close`, or a ``with`` block): that closes
+    its simulator's backend, a server it started or an HTTP client.
     """
-    import os
 
-    judge_cfg = eval_cfg.judge
-    simulator = build_simulator(judge_cfg, judge_seed(eval_cfg, run_seed))
-    url = _served_base_url(getattr(simulator, "backend", None)) if judge_cfg.backend in ("openai", "llamacpp") else None
-    if url is not None:
-        api_key = os.environ.get(judge_cfg.api_key_env) if judge_cfg.backend == "openai" else None
-        backend = simulator.backend
-        alias = getattr(backend, "model", None) or getattr(getattr(backend, "client", None), "model", None)
-        served = served_model_identity(url, min(float(judge_cfg.timeout_s), 30.0), model=alias, api_key=api_key)
-        simulator.served_model = served
-        _SERVED[_served_key(judge_cfg)] = served
-    return simulator
+    def __init__(self, config: Any, seed: int) -> None:
+        self.config = config
+        self.seed = int(seed)
+        #: What the judge's server answered (:func:`served_model_identity`): ``None``
+        #: before :attr:`simulator` is built and for a judge that is not behind HTTP.
+        self.served: dict[str, Any] | None = None
+        self._simulator: Any = None
+
+    @classmethod
+    def from_config(cls, eval_cfg: Any, run_seed: int) -> Judge:
+        """The judge of an ``evaluation`` section: ``eval_cfg.judge``, seeded with
+        ``evaluation.judge.seed``, else the run's seed ``run_seed``."""
+        seed = getattr(eval_cfg.judge, "seed", None)
+        return cls(eval_cfg.judge, run_seed if seed is None else int(seed))
+
+    def __enter__(self) -> Judge:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    @property
+    def simulator(self) -> Any:
+        """The simulated user that judges, built on first use from :attr:`config` by
+        ``models.build_simulator`` (as the training simulator is) with :attr:`seed`.
+
+        A judge behind an HTTP server (``openai``, ``llamacpp``) asks it then, once, what
+        it serves (:func:`served_model_identity`, API key from ``api_key_env``) and keeps
+        the answer as :attr:`served`, which :attr:`description` records.
+        """
+        if self._simulator is None:
+            cfg = self.config
+            simulator = build_simulator(cfg, self.seed)
+            backend = getattr(simulator, "backend", None)
+            url = _served_base_url(backend) if cfg.backend in ("openai", "llamacpp") else None
+            if url is not None:
+                api_key = os.environ.get(cfg.api_key_env) if cfg.backend == "openai" else None
+                alias = getattr(backend, "model", None) or getattr(getattr(backend, "client", None), "model", None)
+                self.served = served_model_identity(url, min(float(cfg.timeout_s), 30.0), model=alias,
+                                                    api_key=api_key)
+            self._simulator = simulator
+        return self._simulator
+
+    def close(self) -> None:
+        """Close the backend of its simulator, when one was built; :attr:`served`, the
+        description and the name stay (a later :attr:`simulator` builds a new one)."""
+        if self._simulator is not None:
+            close_backend(self._simulator)
+            self._simulator = None
+
+    @property
+    def description(self) -> dict[str, Any]:
+        """What identifies the judge, as recorded in ``summary.json`` and compared by
+        :func:`check_same_judge`.
+
+        The rule backend is described by its change function alone.  An LLM judge by
+        every config field that shapes its answers (all but :data:`_JUDGE_OPERATIONAL`):
+        backend, model, base URL, difficulty, appraisal mode, every sampling setting
+        (temperature, ``top_p``, ``top_k``, ``min_p``, the repetition, presence and
+        frequency penalties; read with the defaults of :data:`_JUDGE_DEFAULTS` where a
+        config lacks them), token budget, ``n_ctx``, the field caps, the ``expected_*``
+        settings of an ``expected`` appraisal (with the code's
+        ``expected_difficulty_shift`` and ``expected_top_logprobs``); plus ``seed``,
+        ``prompt_files`` and ``prompts_sha256`` (the prompt files it reads, so an edited
+        prompt is a different judge), ``schemas_sha256`` (the JSON schemas built in
+        code) and ``served``: :attr:`served`, absent when nothing was asked.
+        """
+        judge_cfg = self.config
+        if judge_cfg.backend == "rule":
+            return {"backend": "rule", "change_function": "default_change_fn"}
+        fields = dict(judge_cfg.model_dump()) if hasattr(judge_cfg, "model_dump") else dict(vars(judge_cfg))
+        if "repetition_penalty" not in fields and "repeat_penalty" in fields:
+            fields["repetition_penalty"] = fields.pop("repeat_penalty")
+        fields = {**_JUDGE_DEFAULTS, **fields}
+        appraisal = str(fields["appraisal"])
+        kept = {k: v for k, v in fields.items()
+                if k not in _JUDGE_OPERATIONAL and (appraisal == "expected" or not k.startswith("expected_"))}
+        described = {k: kept.pop(k) for k in _JUDGE_FIRST if k in kept}
+        described.update(sorted(kept.items()))
+        if appraisal == "expected":  # the code's constants of a checklist appraisal
+            described.update(expected_difficulty_shift=DIFFICULTY_SHIFT[judge_cfg.difficulty],
+                             expected_top_logprobs=UserSimulator.TOP_N)
+        files = prompt_files(judge_cfg)
+        described.update(seed=self.seed, prompt_files=files, prompts_sha256=_prompt_fingerprint(files),
+                         schemas_sha256=_schema_fingerprint(structured_schemas(judge_cfg)))
+        if self.served is not None:
+            described["served"] = copy.deepcopy(self.served)
+        return described
+
+    @property
+    def name(self) -> str:
+        """The judge's one-line name for reports and ``rlver eval``: :meth:`name_of` its
+        :attr:`description`."""
+        return self.name_of(self.description)
+
+    @staticmethod
+    def name_of(description: dict[str, Any]) -> str:
+        """The one-line name of a judge's :attr:`description`, also of one recorded in a
+        ``summary.json`` (the model, what its server serves, backend, URL, difficulty,
+        appraisal, sampling settings and seed)."""
+        judge = description
+        if judge.get("backend") == "rule":
+            return "the rule simulator (no language model)"
+        where = f" at {judge['base_url']}" if judge.get("base_url") else ""
+        behind = _served_name(judge.get("served"))
+        serving = f" (serving `{behind}`)" if behind else ""
+        if judge.get("served", {}).get("model_listed") is False:
+            serving += " (not listed by its server)"
+        sampling = ", ".join(f"{k} {judge[k]}" for k in ("top_p", "top_k", "min_p", "repetition_penalty",
+                                                         "presence_penalty", "frequency_penalty") if k in judge)
+        appraisal = f", {judge['appraisal']} appraisal" if judge.get("appraisal") else ""
+        return (f"`{judge.get('model')}`{serving} through `{judge.get('backend')}`{where}, {judge.get('difficulty')} "
+                f"difficulty{appraisal}, temperature {judge.get('temperature')}"
+                + (f", {sampling}" if sampling else "") + f", seed {judge.get('seed')}")
 
 
 def _comparison_key(summary: dict[str, Any]) -> tuple[str, str]:
@@ -294,8 +330,8 @@ def check_same_judge(summaries: dict[str, dict[str, Any]]) -> None:
     :class:`JudgeMismatchError` naming the runs and the differing judge or protocol
     fields (nested ones dotted, e.g. ``judge.served.props.model_path``) when they were
     not all scored by the same judge under the same protocol (every recorded field of
-    :func:`judge_description` counts: sampling settings, caps, prompts, schemas and the
-    model its server said it serves), or when a summary does not record its judge
+    :attr:`Judge.description` counts: sampling settings, caps, prompts, schemas and
+    the model its server said it serves), or when a summary does not record its judge
     (written before judges were recorded).
     """
     missing = [name for name, s in summaries.items() if "judge" not in s or "protocol" not in s]

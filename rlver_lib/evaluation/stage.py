@@ -14,10 +14,9 @@ import numpy as np
 import pandas as pd
 
 from rlver_lib import character
-from rlver_lib.backends import close_backend
 from rlver_lib.evaluation.benchmark import BenchmarkResult, BenchmarkSummary, run_benchmark
 from rlver_lib.evaluation.capability import run_lm_eval, run_retention
-from rlver_lib.evaluation.judge import build_judge, judge_description, judge_name, judge_seed
+from rlver_lib.evaluation.judge import Judge
 from rlver_lib.evaluation.paired import PairedComparison, dropped_text, write_paired
 from rlver_lib.files import RunFolder, process_rank
 from rlver_lib.models import load_policy, make_policy_backend
@@ -123,7 +122,7 @@ def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
     judge = first.get("judge")
     protocol = first.get("protocol") or {}
     if judge:
-        lines.append(f"- Judge: {judge_name(judge)}.")
+        lines.append(f"- Judge: {Judge.name_of(judge)}.")
         same = _judge_is_the_reward(folder, judge)
         if same:
             lines.append(f"- The judge is {same} as the training reward: a gain shows that the learner optimises "
@@ -194,12 +193,14 @@ def styled_breakdown(breakdown: pd.DataFrame) -> Any:
 
 @dataclass
 class Evaluation:
-    """One evaluated policy: the benchmark result, the capability-retention figures
-    (``capability.json`` content, :func:`rlver_lib.evaluation.capability.run_retention`; ``None``
-    when ``capability.enabled`` is false) and, for a non-baseline label in a run with a
+    """One evaluated policy: the benchmark result, the judge that scored it (closed; its
+    description and name stay), the capability-retention figures (``capability.json``
+    content, :func:`rlver_lib.evaluation.capability.run_retention`; ``None`` when
+    ``capability.enabled`` is false) and, for a non-baseline label in a run with a
     baseline, the paired comparison."""
 
     benchmark: BenchmarkResult
+    judge: Judge
     capability: dict[str, Any] | None
     paired: PairedComparison | None = None
 
@@ -208,8 +209,8 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation | None:
     """The benchmark (and maths retention) of ``cfg.policy`` (with ``cfg.policy.adapter``
     when set) on ``cfg.scenarios.test``, written to ``<run_dir>/eval/<label>/``.
 
-    The judge is ``cfg.evaluation.judge`` (:func:`rlver_lib.evaluation.judge.build_judge`), never ``cfg.simulator``;
-    its :func:`judge_description` and the protocol go into ``summary.json``.
+    The judge is ``cfg.evaluation.judge`` (:meth:`rlver_lib.evaluation.judge.Judge.from_config`), never
+    ``cfg.simulator``; its description and the protocol go into ``summary.json``.
     ``label`` defaults to ``trained`` with an adapter, else ``baseline``.  Writes the
     files of :func:`run_benchmark`, the capability-retention files when ``cfg.capability.enabled``,
     ``<run_dir>/figures/eval_<label>_{trajectory,breakdown}.png``, and, for a label other
@@ -230,15 +231,12 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation | None:
     policy = make_policy_backend(cfg.policy, model, tokenizer)
     scenarios = load_scenarios(cfg.scenarios.test)[: cfg.scenarios.limit_test]
     sampling = cfg.policy.sampling(cfg.seed)
-    judge = build_judge(cfg.evaluation, cfg.seed)
-    described = judge_description(cfg.evaluation.judge, judge_seed(cfg.evaluation, cfg.seed))
-    try:
+    with Judge.from_config(cfg.evaluation, cfg.seed) as judge:
+        simulator = judge.simulator  # built first: the description then records what its server serves
         result = run_benchmark(
-            policy, judge, scenarios, cfg.evaluation, sampling=sampling, think=cfg.policy.think, seed=cfg.seed,
+            policy, simulator, scenarios, cfg.evaluation, sampling=sampling, think=cfg.policy.think, seed=cfg.seed,
             out_dir=out_dir, label=label, max_context_tokens=cfg.policy.max_context_tokens,
-            format_violation=cfg.policy.format_violation, judge=described)
-    finally:
-        close_backend(judge)
+            format_violation=cfg.policy.format_violation, judge=judge.description)
     figures = folder.figures
     traj = result.summary.trajectory.assign(label=label)
     save_figure(plot_emotion_trajectories(traj), figures / f"eval_{label}_trajectory.png")
@@ -255,11 +253,12 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation | None:
     if label != "baseline":
         paired = write_paired(cfg.run_dir, trained=label, n_boot=cfg.evaluation.bootstrap_samples,
                               confidence=cfg.evaluation.confidence, seed=cfg.seed)
-    return Evaluation(result, capability, paired)
+    return Evaluation(result, judge, capability, paired)
 
 
 def eval_command(cfg: Any, *, label: str | None = None) -> int:
-    """``rlver eval PARAMS.yaml``: run :func:`evaluate`, print the headline figures, return 0."""
+    """``rlver eval PARAMS.yaml``: run :func:`evaluate`, print the headline figures and the
+    judge that scored them, return 0."""
     ev = evaluate(cfg, label=label)
     if ev is None:  # a non-main rank of a multi-process launch
         return 0
@@ -271,8 +270,7 @@ def eval_command(cfg: Any, *, label: str | None = None) -> int:
           f"[{s.score_errors_as_zero:.1f}, {s.score_errors_as_100:.1f}]: errored dialogues at 0, then at 100), "
           f"context-budget stops {s.n_context_limit}, "
           f"mean turns {s.mean_turns.value:.2f}, protocol {cfg.evaluation.protocol} -> {ev.benchmark.out_dir}")
-    seed = judge_seed(cfg.evaluation, cfg.seed)
-    print("judge: " + judge_name(judge_description(cfg.evaluation.judge, seed)))
+    print("judge: " + ev.judge.name)
     if ev.capability is not None:
         print("capability retention: " + json.dumps({k: v for k, v in ev.capability.items() if k != "lm_eval"}))
     if ev.paired is not None:

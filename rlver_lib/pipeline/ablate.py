@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from rlver_lib.config import ConfigError, RunConfig
 from rlver_lib.evaluation.benchmark import protocol_description
-from rlver_lib.evaluation.judge import JudgeMismatchError, check_same_judge, judge_description, judge_seed
+from rlver_lib.evaluation.judge import Judge, JudgeMismatchError, check_same_judge
 from rlver_lib.files import RunFolder, atomic_write_text, process_rank
 from rlver_lib.params import build_config, load_params
 from rlver_lib.pipeline.manifest import read_manifest
@@ -105,9 +105,9 @@ def load_grid(path: str | Path, overrides: list[str] | None = None) -> tuple[Abl
 
 def planned_judges(cells: list[AblationCell]) -> dict[str, dict[str, Any]]:
     """What each cell's benchmark will record before anything runs: ``{cell: {"judge":
-    judge_description, "protocol": protocol_description}}``, for :func:`check_same_judge`."""
-    return {cell.name: {"judge": judge_description(cell.config.evaluation.judge,
-                                                   judge_seed(cell.config.evaluation, cell.config.seed)),
+    Judge.description, "protocol": protocol_description}}`` (no server asked), for
+    :func:`check_same_judge`."""
+    return {cell.name: {"judge": Judge.from_config(cell.config.evaluation, cell.config.seed).description,
                         "protocol": protocol_description(cell.config.evaluation)} for cell in cells}
 
 

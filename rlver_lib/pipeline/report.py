@@ -1,6 +1,6 @@
 """Notebooks into a report: :func:`execute_notebook` (papermill) and
 :func:`render_report` (one HTML file, cells tagged ``report-skip`` left out), with the
-header that states the run's limits and judge.
+header that states the run's limits and, once, its judge.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import papermill
 from nbconvert import HTMLExporter
 from nbconvert.preprocessors import TagRemovePreprocessor
 
-from rlver_lib.config import RunConfig
-from rlver_lib.evaluation.judge import judge_description, judge_name, judge_seed
+from rlver_lib.config import EvaluationConfig, RunConfig
+from rlver_lib.evaluation.judge import Judge
 from rlver_lib.evaluation.stage import headline_markdown
 from rlver_lib.files import PROJECT_ROOT, atomic_write_text
 
@@ -147,18 +147,22 @@ def run_wall_s(manifest: dict[str, Any]) -> float | None:
     return float(sum(walls)) if walls else None
 
 
-def judge_statement(cfg: RunConfig) -> str:
-    """Markdown naming the benchmark's judge (``evaluation.judge``) and protocol."""
-    ev = cfg.evaluation
-    judge = judge_name(judge_description(ev.judge, judge_seed(ev, cfg.seed)))
+def judge_statement(judge: Judge, ev: EvaluationConfig) -> str:
+    """Markdown naming the benchmark's ``judge`` (:attr:`Judge.name`) and the protocol of
+    ``ev`` (an ``evaluation`` section), as notebook 04 states them after its benchmark."""
+    name = judge.name
     rule = ("every policy reply appraised" if ev.protocol == "full"
             else f"{ev.max_turns} policy replies, the first {ev.max_turns - 1} appraised (SAGE's turn rule)")
-    return (f"**Benchmark judge.** {judge[0].upper() + judge[1:]}, the same for baseline and trained policy "
+    return (f"**Benchmark judge.** {name[0].upper() + name[1:]}, the same for baseline and trained policy "
             f"and independent of the training simulator. Protocol `{ev.protocol}`: start emotion "
             f"{ev.initial_emotion}, {rule}, {ev.repeats} dialogue(s) per scenario.")
 
 
 def report_header(cfg: RunConfig, manifest: dict[str, Any]) -> str:
+    """The report's Markdown header: the title, the headline
+    (:func:`rlver_lib.evaluation.stage.headline_markdown`, the one place the report names
+    the judge: as it recorded itself in the benchmark's ``summary.json``), the seed,
+    commit and stages, and what the run can and cannot show."""
     git = manifest.get("git", {})
     parts = [f"# RLVER run report: `{cfg.run_name}`"]
     headline = headline_markdown(cfg.run_dir.resolve(), run_wall_s(manifest))
@@ -168,7 +172,6 @@ def report_header(cfg: RunConfig, manifest: dict[str, Any]) -> str:
         f"Seed {cfg.seed}; git commit `{git.get('commit') or 'unknown'}`"
         f"{' (uncommitted changes)' if git.get('dirty') else ''}; "
         f"stages: {', '.join(cfg.stages)}.",
-        judge_statement(cfg),
         limits_statement(cfg),
     ])
 
