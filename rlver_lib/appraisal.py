@@ -328,7 +328,7 @@ class AppraisalMode(ABC):
         return {}
 
     def describes(self, judge: dict[str, Any]) -> bool:
-        """Whether a judge description (``judge_description``) appraises in this mode."""
+        """Whether a judge description (``Judge.description``) appraises in this mode."""
         return judge.get("appraisal") == self.name
 
 

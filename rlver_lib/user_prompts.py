@@ -251,7 +251,7 @@ def prompt_files(sim_cfg: Any) -> list[str]:
     ``sim_checklist_<lang>.json``; none for ``learned``), and every other ``sim_*`` file
     (system, vocabulary, reply, opening, and any added later), in both languages; no
     other mode's or difficulty's texts. A judge's identity fingerprints them
-    (:func:`rlver_lib.evaluation.judge.judge_description`)."""
+    (:attr:`rlver_lib.evaluation.judge.Judge.description`)."""
     own = appraisal_mode(getattr(sim_cfg, "appraisal", "first_person")).own_prompt_files(sim_cfg.difficulty)
     kinds = sorted({kind for mode in APPRAISAL_MODES.values() for kind in mode.prompt_patterns})
     names = sorted(e.name for e in resources.files("rlver_lib").joinpath("prompts").iterdir()

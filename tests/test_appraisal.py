@@ -31,17 +31,12 @@ def test_an_unknown_mode_is_refused_naming_the_valid_ones():
         assert name in str(err.value)
 
 
-#: Modules that still compare the name: the judge's identity, until it asks its mode
-#: (`AppraisalMode.keeps_field`, `AppraisalMode.identity_constants`); empty it then.
-NOT_YET = ("evaluation/judge.py:",)
-
-
 def test_no_library_module_compares_an_appraisal_to_a_mode_name():
     """The mode is decided in one place (``appraisal_mode``): nothing compares an
     appraisal value (``cfg.appraisal``, ``mode``, a description's ``"appraisal"``) with
     ``"sage"``, ``"expected"``... (``protocol == "sage"`` is another setting)."""
     found = literal_comparisons(appraisal.APPRAISAL_MODES, subject=r"appraisal|\bmode\b")
-    assert [f for f in found if not f.startswith(NOT_YET)] == []
+    assert found == []
 
 
 def test_the_scan_finds_each_form_of_comparison(tmp_path):

@@ -17,10 +17,9 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any, Mapping, Sequence
 
-from rlver_lib.appraisal import DIFFICULTY_SHIFT, structured_schemas
+from rlver_lib.appraisal import appraisal_mode, structured_schemas
 from rlver_lib.backends import close_backend
 from rlver_lib.models import build_simulator
-from rlver_lib.simulator import UserSimulator
 from rlver_lib.user_prompts import prompt_files
 
 
@@ -265,14 +264,12 @@ class Judge:
         if "repetition_penalty" not in fields and "repeat_penalty" in fields:
             fields["repetition_penalty"] = fields.pop("repeat_penalty")
         fields = {**_JUDGE_DEFAULTS, **fields}
-        appraisal = str(fields["appraisal"])
+        mode = appraisal_mode(str(fields["appraisal"]))
         kept = {k: v for k, v in fields.items()
-                if k not in _JUDGE_OPERATIONAL and (appraisal == "expected" or not k.startswith("expected_"))}
+                if k not in _JUDGE_OPERATIONAL and mode.keeps_field(k)}
         described = {k: kept.pop(k) for k in _JUDGE_FIRST if k in kept}
         described.update(sorted(kept.items()))
-        if appraisal == "expected":  # the code's constants of a checklist appraisal
-            described.update(expected_difficulty_shift=DIFFICULTY_SHIFT[judge_cfg.difficulty],
-                             expected_top_logprobs=UserSimulator.TOP_N)
+        described.update(mode.identity_constants(judge_cfg))  # the code's constants of its mode
         files = prompt_files(judge_cfg)
         described.update(seed=self.seed, prompt_files=files, prompts_sha256=_prompt_fingerprint(files),
                          schemas_sha256=_schema_fingerprint(structured_schemas(judge_cfg)))

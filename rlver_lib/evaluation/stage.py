@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from rlver_lib import character
+from rlver_lib.appraisal import appraisal_mode
 from rlver_lib.evaluation.benchmark import BenchmarkResult, BenchmarkSummary, run_benchmark
 from rlver_lib.evaluation.capability import run_lm_eval, run_retention
 from rlver_lib.evaluation.judge import Judge
@@ -42,7 +43,7 @@ def _judge_is_the_reward(folder: RunFolder, judge: dict[str, Any]) -> str:
     if "train" not in cfg.stages or sim.backend == "rule" or (sim.backend, sim.model, sim.base_url) != (
             judge.get("backend"), judge.get("model"), judge.get("base_url")):
         return ""
-    return "the same model and appraisal" if sim.appraisal == judge.get("appraisal") else "the same model"
+    return "the same model and appraisal" if appraisal_mode(sim.appraisal).describes(judge) else "the same model"
 
 
 def headline_markdown(run_dir: str | Path, wall_s: float | None = None) -> str:
