@@ -70,11 +70,13 @@ class PolicyConfig(_Strict):
 
     ``model`` is the embedded SmolLM2 default, a Hugging Face id or a local folder.
     ``adapter`` optionally names a saved LoRA adapter folder to load on top.
+    ``dtype`` is the weights' dtype; ``"auto"`` (the default) is :meth:`compute_dtype`'s
+    choice for the hardware: bfloat16 where it computes bfloat16 natively, else float32.
     """
 
     model: str = EMBEDDED_POLICY
     backend: Literal["transformers", "vllm"] = "transformers"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     adapter: str | None = None
     think: bool = False
     max_new_tokens: int = Field(128, ge=1)
@@ -95,6 +97,24 @@ class PolicyConfig(_Strict):
     # mode, level 1: weights to CPU RAM, KV cache dropped); CUDA only
     vllm_sleep_mode: bool = False
     lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    def compute_dtype(self) -> str:
+        """The dtype the policy's weights load in: ``dtype`` itself unless it is ``"auto"``.
+
+        ``"auto"`` gives ``"bfloat16"`` on a CUDA GPU that supports it and on a CPU with
+        AVX512-BF16 or AMX-BF16 (``torch.cpu.get_capabilities()``), ``"float32"``
+        otherwise: without those instructions bfloat16 is emulated, and a LoRA step of
+        the embedded policy is about 20x slower than in float32 (docs/MEASURED.md,
+        "bfloat16 against float32 on a CPU without native bf16").
+        """
+        if self.dtype != "auto":
+            return self.dtype
+        import torch
+
+        if torch.cuda.is_available():
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        caps = torch.cpu.get_capabilities()
+        return "bfloat16" if caps.get("avx512_bf16") or caps.get("amx_bf16") else "float32"
 
     def sampling(self, seed: int | None) -> SamplingParams:
         """The policy's sampling settings for one batched call: ``temperature``,

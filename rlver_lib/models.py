@@ -235,6 +235,10 @@ def _torch_dtype(dtype: str):
 def load_causal_lm(name: str, dtype: str = "bfloat16"):
     """Load ``(model, tokenizer)`` for an embedded name, HF id or folder.
 
+    ``dtype`` is a torch dtype's name or ``"auto"`` in transformers' sense (the
+    checkpoint's own dtype); a policy's ``"auto"`` is resolved before it gets here
+    (:meth:`~rlver_lib.config.PolicyConfig.compute_dtype`).
+
     The tokenizer pads on the left (for batched generation); a missing pad token
     is set to the end-of-sequence token.
     """
@@ -266,7 +270,7 @@ def load_policy(policy_cfg: PolicyConfig, *, trainable: bool = False):
     """Load the policy ``(model, tokenizer)`` described by ``policy_cfg``.
 
     ``policy_cfg.model`` is resolved by :func:`policy_model_path`; the weights load
-    in ``policy_cfg.dtype``. When ``policy_cfg.adapter`` names a saved LoRA adapter
+    in ``policy_cfg.compute_dtype()``. When ``policy_cfg.adapter`` names a saved LoRA adapter
     folder it is loaded on top with peft (trainable when ``trainable``), giving a
     ``peft.PeftModel``. With ``trainable=False`` the model is put in eval mode and
     its parameters are frozen. Raises :class:`ConfigError` naming ``policy.adapter``
@@ -275,7 +279,7 @@ def load_policy(policy_cfg: PolicyConfig, *, trainable: bool = False):
     adapter = policy_cfg.adapter
     if adapter:
         _check_adapter(adapter)
-    model, tokenizer = load_causal_lm(policy_cfg.model, policy_cfg.dtype)
+    model, tokenizer = load_causal_lm(policy_cfg.model, policy_cfg.compute_dtype())
     if adapter:
         from peft import PeftModel
 

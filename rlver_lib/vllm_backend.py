@@ -506,7 +506,7 @@ class VLLMBackend(Closing):
             kv_cache_gb=policy_cfg.vllm_kv_cache_gb,
             max_num_batched_tokens=policy_cfg.vllm_max_num_batched_tokens,
             sleep_mode=policy_cfg.vllm_sleep_mode,
-            dtype=policy_cfg.dtype,
+            dtype=policy_cfg.compute_dtype(),
             seed=engine_seed(0) if seed is None else seed,
             max_model_len=policy_cfg.max_context_tokens + policy_cfg.max_new_tokens,
             adapter_root=adapter_root,

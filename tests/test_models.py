@@ -159,6 +159,33 @@ def test_load_policy_loads_dtype_and_adapter(tiny_base, tmp_path):
     assert trainable.get_base_model().model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("cuda, cuda_bf16, caps, expected", [
+    (False, False, {"avx2": True, "avx512_f": True, "avx512_bf16": False, "amx_bf16": False}, "float32"),
+    (False, False, {"avx2": True, "avx512_bf16": True, "amx_bf16": False}, "bfloat16"),
+    (False, False, {"avx2": True, "avx512_bf16": False, "amx_bf16": True}, "bfloat16"),
+    (True, True, {}, "bfloat16"),
+    (True, False, {"avx512_bf16": True}, "float32"),  # the GPU decides, not the host CPU
+])
+def test_auto_dtype_is_bfloat16_only_where_the_hardware_computes_it(monkeypatch, tiny_base, cuda, cuda_bf16,
+                                                                    caps, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: cuda_bf16)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    assert PolicyConfig().dtype == "auto"
+    assert PolicyConfig().compute_dtype() == expected
+    assert PolicyConfig(dtype="bfloat16").compute_dtype() == "bfloat16"
+    assert PolicyConfig(dtype="float32").compute_dtype() == "float32"
+    if not cuda:
+        model, _ = models.load_policy(PolicyConfig(model=str(tiny_base)))
+        assert model.get_input_embeddings().weight.dtype == getattr(torch, expected)
+
+
+def test_quickstart_and_laptop_recipes_leave_the_dtype_to_the_hardware():
+    for name in ("quickstart", "laptop-grpo", "laptop-ppo", "laptop-grpo-3turn"):
+        assert load_config(ROOT / "params" / f"{name}.yaml").policy.dtype == "auto", name
+    assert load_config(ROOT / "params" / "paper-ppo-think-moderate.yaml").policy.dtype == "bfloat16"
+
+
 @pytest.mark.parametrize("adapter, message", [
     ("/no/such/adapter", "no such adapter folder"),
     ("./missing-adapter", "no such adapter folder"),

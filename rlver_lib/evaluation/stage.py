@@ -249,7 +249,7 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation | None:
                              n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence)
         if cfg.capability.lm_eval.enabled:  # the harness path (GPU, model hub): rlver_lib.evaluation.capability
             capability["lm_eval"] = run_lm_eval(cfg.policy.model, cfg.policy.adapter, cfg.capability.lm_eval,
-                                          out_dir / "lm_eval.json", dtype=cfg.policy.dtype, seed=cfg.seed)
+                                          out_dir / "lm_eval.json", dtype=cfg.policy.compute_dtype(), seed=cfg.seed)
     paired = None
     if label != "baseline":
         paired = write_paired(cfg.run_dir, trained=label, n_boot=cfg.evaluation.bootstrap_samples,
