@@ -110,6 +110,10 @@ class Algorithm(ABC):
         """The critic on the backbone's last hidden state ``[..., hidden_size]``, or ``None``."""
         return None
 
+    def critic_warmup_steps(self, training: TrainingConfig) -> int:
+        """How many first training steps train the critic alone (0: none)."""
+        return 0
+
     @abstractmethod
     def assign_advantages(self, samples: list[Any], rewards: dict[str, float],
                           turn_rewards: dict[str, list[float]] | None, training: TrainingConfig,
@@ -165,10 +169,10 @@ class GRPO(Algorithm):
 class PPO(Algorithm):
     """PPO (RLVER §3.3): a linear value head on the shared LoRA backbone
     (:class:`~rlver_lib.learner.PolicyWithValueHead`), GAE across a dialogue's turns
-    (``training.gamma``, ``training.lam``), advantages whitened over every process's
-    policy tokens (``training.whiten_advantages``), and the clipped value loss
-    (``training.vf_coef`` x :func:`~rlver_lib.algorithms.clipped_value_loss`, clipped at
-    ``training.value_clip_eps``)."""
+    (``training.ppo.gamma``, ``training.ppo.lam``), advantages whitened over every process's
+    policy tokens (``training.ppo.whiten_advantages``), and the clipped value loss
+    (``training.ppo.vf_coef`` x :func:`~rlver_lib.algorithms.clipped_value_loss`, clipped at
+    ``training.ppo.value_clip_eps``)."""
 
     name = "ppo"
     critic = True
@@ -183,14 +187,18 @@ class PPO(Algorithm):
         nn.init.zeros_(head.bias)
         return head
 
+    def critic_warmup_steps(self, training: TrainingConfig) -> int:
+        """``training.ppo.critic_warmup_steps``."""
+        return training.ppo.critic_warmup_steps
+
     def assign_advantages(self, samples: list[Any], rewards: dict[str, float],
                           turn_rewards: dict[str, list[float]] | None, training: TrainingConfig,
                           collect: Any) -> tuple[list[Any], int, int]:
         """:func:`ppo_sample_advantages` (every sample is trained; no groups), then, with
         ``whiten_advantages``, whitening with moments summed over processes (a collective)."""
         ppo_sample_advantages(samples, rewards if turn_rewards is None else turn_rewards,
-                              gamma=training.gamma, lam=training.lam)
-        if training.whiten_advantages:  # over every process's policy tokens
+                              gamma=training.ppo.gamma, lam=training.ppo.lam)
+        if training.ppo.whiten_advantages:  # over every process's policy tokens
             moments = collect.sum(sum((algorithms.masked_moments(s.advantages, s.mask) for s in samples),
                                       torch.zeros(3, dtype=torch.float64)))
             for s in samples:
@@ -216,9 +224,9 @@ class PPO(Algorithm):
         ``value_loss`` and ``value_clipped`` (clipped tokens)."""
         mask = batch["mask"]
         value_loss, value_clip = algorithms.clipped_value_loss(
-            out["values"], batch["old_values"], batch["returns"], mask, clip_eps=training.value_clip_eps,
+            out["values"], batch["old_values"], batch["returns"], mask, clip_eps=training.ppo.value_clip_eps,
             normaliser=tokens)
-        return (loss + training.vf_coef * value_loss,
+        return (loss + training.ppo.vf_coef * value_loss,
                 {"value_loss": float(value_loss.detach()), "value_clipped": float(value_clip) * float(mask.sum())})
 
     def update_metrics(self, total: dict[str, float], *, windows: int, tokens: float) -> dict[str, float]:

@@ -248,8 +248,29 @@ class RolloutConfig(_Strict):
     max_turns: int = Field(8, ge=1)
 
 
+class PPOConfig(_Strict):
+    """PPO's own settings (``training.ppo``; RLVER §3.3), read only when
+    ``training.algorithm`` is ``ppo``: the critic (a value head on the policy's LoRA
+    backbone, its learning rate, the clipped value loss and its weight) and GAE."""
+
+    value_learning_rate: float = Field(1e-5, gt=0)
+    value_clip_eps: float = Field(0.2, gt=0)
+    vf_coef: float = Field(0.5, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    whiten_advantages: bool = True  # GAE advantages to zero mean, unit variance per step (all processes)
+    # the first critic_warmup_steps training steps train the critic alone (verl's
+    # critic_warmup): no policy loss terms, and the LoRA weights at learning rate 0
+    critic_warmup_steps: int = Field(0, ge=0)
+    # a constant added to the value head's output: 0, or the mean training reward of the
+    # first step's dialogues over all processes, fixed before any update (the reward sits
+    # near 0.5 with an s.d. of ~0.03, which a zero-started bias takes a whole run to reach)
+    value_offset: Literal["zero", "first_step_mean_reward"] = "zero"
+
+
 class TrainingConfig(_Strict):
-    """The learner (docs/ARCHITECTURE.md "Code map"); paper defaults where they apply."""
+    """The learner (docs/ARCHITECTURE.md "Code map"); paper defaults where they apply.
+    PPO's critic and GAE settings are the ``ppo`` section (:class:`PPOConfig`)."""
 
     algorithm: Literal["grpo", "ppo"] = "grpo"
     steps: int = Field(100, ge=0)
@@ -259,20 +280,14 @@ class TrainingConfig(_Strict):
     mini_batch_size: int = Field(8, ge=1)
     grad_accum_steps: int = Field(1, ge=1)
     learning_rate: float = Field(1e-5, gt=0)
-    value_learning_rate: float = Field(1e-5, gt=0)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     max_grad_norm: float = Field(1.0, gt=0)
     clip_eps: float = Field(0.2, gt=0)
-    value_clip_eps: float = Field(0.2, gt=0)
-    vf_coef: float = Field(0.5, ge=0)
     entropy_coef: float = Field(0.001, ge=0)
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k3"] = "k3"
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(1.0, ge=0, le=1)
     scale_rewards: bool = True
-    whiten_advantages: bool = True  # PPO: GAE advantages to zero mean, unit variance per step (all processes)
     # token_mean (DAPO / TRL bnpo), seq_mean (GRPO eq. 3), dr_grpo (sum / (samples x max_new_tokens));
     # Dr. GRPO is scale_rewards: false with loss_aggregation: dr_grpo
     loss_aggregation: Literal["token_mean", "seq_mean", "dr_grpo"] = "token_mean"
@@ -295,6 +310,7 @@ class TrainingConfig(_Strict):
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     tensorboard: bool = False
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
 
     @model_validator(mode="after")
     def _kl_estimator_is_a_loss(self) -> "TrainingConfig":

@@ -43,14 +43,19 @@ class PolicyWithValueHead(nn.Module):
     The critic shares the policy: ``values`` is ``value_head(h)`` on the same LoRA
     backbone's hidden state, without a detach, so the value loss also trains the
     LoRA weights and both gradients are clipped together (RLVER/verl train a separate
-    critic model; docs/GPU.md "The shared critic").
+    critic model; docs/GPU.md "The shared critic"). With ``value_offset`` the values are
+    ``value_head(h) + value_offset``, a buffer (not trained, saved with the model's
+    state) that the trainer fixes once (``training.ppo.value_offset``).
     """
 
-    def __init__(self, policy: nn.Module, value_head: nn.Linear | None, temperature: float):
+    def __init__(self, policy: nn.Module, value_head: nn.Linear | None, temperature: float, *,
+                 value_offset: bool = False):
         super().__init__()
         self.policy = policy
         self.value_head = value_head
         self.temperature = temperature if temperature > 0 else 1.0
+        if value_offset:
+            self.register_buffer("value_offset", torch.zeros(()))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor, *,
                 entropy: bool = True, entropy_grad: bool = True) -> dict:
@@ -71,7 +76,10 @@ class PolicyWithValueHead(nn.Module):
         if ent is not None:
             out["entropy"] = scatter(ent)
         if self.value_head is not None:
-            out["values"] = scatter(self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float())
+            values = self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
+            if hasattr(self, "value_offset"):
+                values = values + self.value_offset
+            out["values"] = scatter(values)
         return out
 
 
@@ -94,7 +102,8 @@ def build_model(cfg: RunConfig) -> tuple[PolicyWithValueHead, Any]:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.enable_input_require_grads()
     value_head = algorithm_for(cfg.training).value_head(policy.config.hidden_size)
-    model = PolicyWithValueHead(policy, value_head, cfg.policy.temperature)
+    model = PolicyWithValueHead(policy, value_head, cfg.policy.temperature,
+                                value_offset=value_head is not None and cfg.training.ppo.value_offset != "zero")
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -103,10 +112,10 @@ def build_model(cfg: RunConfig) -> tuple[PolicyWithValueHead, Any]:
 
 def optimizer_groups(model: PolicyWithValueHead, training: TrainingConfig) -> list[dict[str, Any]]:
     """AdamW parameter groups: the LoRA weights at ``learning_rate``, the value head
-    (PPO) at ``value_learning_rate``."""
+    (PPO) at ``ppo.value_learning_rate``."""
     groups = [{"params": [p for p in model.policy.parameters() if p.requires_grad], "lr": training.learning_rate}]
     if model.value_head is not None:
-        groups.append({"params": list(model.value_head.parameters()), "lr": training.value_learning_rate})
+        groups.append({"params": list(model.value_head.parameters()), "lr": training.ppo.value_learning_rate})
     return groups
 
 
@@ -346,12 +355,14 @@ def explained_variance_after(model: PolicyWithValueHead, samples: list[Sample], 
 
 
 def micro_batch_loss(prepared: nn.Module, batch: dict[str, torch.Tensor], training: TrainingConfig, *,
-                 max_new_tokens: int, tokens: float, rows: float) -> tuple[torch.Tensor, dict[str, float]]:
+                 max_new_tokens: int, tokens: float, rows: float,
+                 critic_only: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """The micro-batch's share of its window's loss (the shared terms here, the algorithm's
     own in :meth:`~rlver_lib.algorithm_objects.Algorithm.loss_terms`) and its local sums
     for the metrics (keys :data:`UPDATE_SUMS` and the algorithm's ``update_sums``);
     ``tokens``/``rows``: the window's policy tokens and samples over all processes, the
-    normalisers of every term."""
+    normalisers of every term. ``critic_only`` (a critic warm-up step) leaves the policy,
+    entropy and KL terms out of the loss; their metrics are still summed."""
     mask = batch["mask"]
     out = prepared(batch["input_ids"], batch["attention_mask"], mask, entropy_grad=training.entropy_coef > 0)
     weights = None
@@ -373,6 +384,8 @@ def micro_batch_loss(prepared: nn.Module, batch: dict[str, torch.Tensor], traini
         kl = algorithms.kl_penalty(out["logprobs"], batch["ref_logprobs"], training.kl_estimator)
         loss = loss + training.kl_coef * algorithms.aggregate(kl, mask, "token_mean", normaliser=tokens)
         parts["kl_ref"] = float((kl.detach() * mask).sum())
+    if critic_only:
+        loss = torch.zeros((), device=loss.device)
     loss, own = algorithm_for(training).loss_terms(loss, out, batch, training, tokens=tokens)
     parts.update(own)
     if weights is not None:

@@ -49,7 +49,15 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(raw) if raw.strip() else None
 
 
-REMOVED_KEYS = {"evaluation.n_scenarios": "scenarios.limit_test"}
+MOVED_KEYS: dict[str, str] = {
+    f"training.{name}": f"training.ppo.{name}"
+    for name in ("value_learning_rate", "value_clip_eps", "vf_coef", "gamma", "lam", "whiten_advantages")}
+"""Keys that moved to another section, ``{old: new}``: a params file or override that
+sets the old key is refused, naming the new one; :func:`upgrade_run_config` moves them
+in a run folder's saved ``config.yaml`` (runs written before the ``training.ppo``
+section, December 2026), so the run reads as it ran."""
+
+REMOVED_KEYS = {"evaluation.n_scenarios": "scenarios.limit_test", **MOVED_KEYS}
 """Keys a params file may still carry from an older version: ``{old: the key that replaced it}``."""
 
 UNUSED_KEYS: dict[str, str] = {
@@ -227,19 +235,30 @@ def load_config(
     return build_config(load_params(path), overrides, source=str(path))
 
 
+def _parent(data: dict[str, Any], key: str) -> tuple[dict[str, Any] | None, str]:
+    """The mapping that holds dotted ``key``'s last part, and that part; ``None`` when a
+    section on the way is missing or not a mapping."""
+    *section, name = key.split(".")
+    node: Any = data
+    for part in section:
+        node = node.get(part) if isinstance(node, dict) else None
+    return (node if isinstance(node, dict) else None), name
+
+
 def upgrade_run_config(data: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a run's config mapping without the :data:`UNUSED_KEYS` (``analysis.judge``
-    may be ``None``) and with the :data:`RENAMED_STAGES` renamed; a current mapping comes
-    back equal."""
+    """A copy of a run's config mapping with the :data:`MOVED_KEYS` in their new sections,
+    without the :data:`UNUSED_KEYS` (``analysis.judge`` may be ``None``) and with the
+    :data:`RENAMED_STAGES` renamed; a current mapping comes back equal."""
     data = json.loads(json.dumps(data))
+    for old, new in MOVED_KEYS.items():
+        node, name = _parent(data, old)
+        if node is not None and name in node:  # written before the new key existed
+            _set_dotted(data, new, node.pop(name))
     if isinstance(data.get("stages"), list):
         data["stages"] = [RENAMED_STAGES.get(name, name) for name in data["stages"]]
     for key in UNUSED_KEYS:
-        *section, name = key.split(".")
-        node: Any = data
-        for part in section:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
+        node, name = _parent(data, key)
+        if node is not None:
             node.pop(name, None)
     return data
 

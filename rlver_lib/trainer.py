@@ -214,13 +214,19 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig):
 
     Stepped once here, so that training step ``s`` (1-based) runs at the schedule's
     value at ``s``: step 1 is not at LR 0; warmup reaches the peak at step
-    ``warmup_steps``; linear/cosine decay reach 0 one step after the last.
+    ``warmup_steps``; linear/cosine decay reach 0 one step after the last. A PPO critic
+    warm-up (``training.ppo.critic_warmup_steps``) holds the first group's (the LoRA
+    weights') rate at 0 through its steps; the value head's group follows the schedule.
     """
     from transformers import get_scheduler
 
     name = "constant_with_warmup" if training.lr_schedule == "constant" else training.lr_schedule
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=training.warmup_steps,
                               num_training_steps=training.steps + 1)
+    warmup = algorithm_for(training).critic_warmup_steps(training)
+    if warmup:
+        policy_factor = scheduler.lr_lambdas[0]
+        scheduler.lr_lambdas[0] = lambda step: 0.0 if step <= warmup else policy_factor(step)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
         scheduler.step()
@@ -285,6 +291,7 @@ class Trainer(Closing):
                                "the trainer could not hand it the updated policy (rlver_lib.backends.PolicyBackend)")
         training = cfg.training
         self.algorithm = algorithm_for(training)
+        self._critic_warmup = self.algorithm.critic_warmup_steps(training)
         note = credit.one_turn_note(training.credit, self.algorithm.name) if cfg.rollout.max_turns == 1 else None
         if note:
             warnings.warn(note, stacklevel=2)
@@ -379,6 +386,8 @@ class Trainer(Closing):
 
         state = {"step": self.step, "data_position": self.data_position, "algorithm": self.algorithm.name,
                  "num_processes": self.accelerator.num_processes}
+        if hasattr(self.model, "value_offset"):  # a buffer, not a trainable weight: kept here
+            state["value_offset"] = float(self.model.value_offset)
         return self.checkpoints.save(self.step, state, extras)
 
     # ------------------------------------------------------------ one step
@@ -411,6 +420,10 @@ class Trainer(Closing):
                                                              or training.error_dialogues == "zero_reward")]
         samples = samples_from_trajectories(trained)
         update_start = time.perf_counter()
+        if self.step == 1 and hasattr(self.model, "value_offset"):  # training.ppo.value_offset, fixed once
+            total, count = self.collect.sum(torch.tensor(
+                [sum(rewards[t.dialogue_id] for t in trained), len(trained)], dtype=torch.float64)).tolist()
+            self.model.value_offset.fill_(total / count if count else 0.0)
         score_old(self.model, samples, batch_size=scoring_batch_size(samples, training, accelerator.num_processes),
                   pad_id=self.pad_id,
                   device=accelerator.device, reference=training.kl_coef > 0)
@@ -498,7 +511,8 @@ class Trainer(Closing):
                 batch = collate(chunk or [empty_sample(self.pad_id)], self.pad_id, accelerator.device)
                 with accelerator.accumulate(self.prepared):
                     loss, parts = micro_batch_loss(self.prepared, batch, training, tokens=tokens, rows=rows,
-                                                   max_new_tokens=self.cfg.policy.max_new_tokens)
+                                                   max_new_tokens=self.cfg.policy.max_new_tokens,
+                                                   critic_only=self.step <= self._critic_warmup)
                     # accelerator.backward divides by grad_accum_steps and DDP / ZeRO average
                     # the gradients over processes; the loss's normalisers already are the
                     # whole window's, so scaling back up makes the summed gradient exactly
@@ -548,6 +562,8 @@ class Trainer(Closing):
                                f"config asks for {self.algorithm.name!r}")
         self.checkpoints.load(path)
         self.step, self.data_position = int(state["step"]), int(state["data_position"])
+        if hasattr(self.model, "value_offset"):
+            self.model.value_offset.fill_(float(state["value_offset"]))
         # a fresh rollout engine must sample from the restored adapter
         self.policy_backend.sync_policy(self.model.policy, self.step)
         metrics = self.folder.metrics

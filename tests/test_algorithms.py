@@ -566,7 +566,7 @@ def test_ppo_value_head_starts_at_zero_and_its_loss_term_is_the_clipped_value_lo
     ppo = algo.PPO()
     head = ppo.value_head(16)
     assert ppo.critic and head.weight.shape == (1, 16) and not head.weight.any() and not head.bias.any()
-    training = TrainingConfig(algorithm="ppo", vf_coef=0.25, value_clip_eps=0.2)
+    training = TrainingConfig(algorithm="ppo", ppo={"vf_coef": 0.25, "value_clip_eps": 0.2})
     batch = {"mask": torch.tensor([[1.0, 1.0, 0.0]]), "old_values": torch.tensor([[0.2, 0.1, 0.0]]),
              "returns": torch.tensor([[1.0, 0.0, 0.0]])}
     out = {"values": torch.tensor([[0.5, 0.0, 50.0]])}
@@ -583,7 +583,7 @@ def test_ppo_value_head_starts_at_zero_and_its_loss_term_is_the_clipped_value_lo
 def test_ppo_objects_advantages_are_gae_whitened_and_its_critic_statistics_those_of_the_whole_batch():
     samples = [_sample("d#0", 0, [0.0, 1.0, 1.0], [9.0, 0.1, 0.2]), _sample("d#0", 1, [0.0, 1.0], [9.0, 0.3]),
                _sample("e#0", 0, [1.0, 1.0], [0.5, -0.2], group="e")]
-    training = TrainingConfig(algorithm="ppo", gamma=0.9, lam=0.5, whiten_advantages=True)
+    training = TrainingConfig(algorithm="ppo", ppo={"gamma": 0.9, "lam": 0.5, "whiten_advantages": True})
     ppo = algo.PPO()
     kept, zero_variance, groups = ppo.assign_advantages(samples, {"d#0": 1.0, "e#0": 0.0}, None, training, _Sum())
     assert kept is samples and (zero_variance, groups) == (0, 0)

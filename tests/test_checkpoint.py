@@ -60,9 +60,10 @@ def test_resume_after_interruption_reproduces_metrics(tmp_path):
     torch.set_num_threads(2)
     sim = RuleSimulator(starts_with_i)
     scenarios = tiny_scenarios(3)
-    full = Trainer(tiny_config(tmp_path, "full", algorithm="ppo", vf_coef=0.5), scenarios, simulator=sim).train()
+    full = Trainer(tiny_config(tmp_path, "full", algorithm="ppo", ppo={"vf_coef": 0.5}), scenarios,
+                   simulator=sim).train()
 
-    cut = tiny_config(tmp_path, "cut", algorithm="ppo", vf_coef=0.5)
+    cut = tiny_config(tmp_path, "cut", algorithm="ppo", ppo={"vf_coef": 0.5})
     Trainer(cut, scenarios, simulator=sim).train(stop_after=3)  # killed after step 3; checkpoint at 2
     ckpts = sorted((cut.run_dir / "train" / "checkpoints").iterdir())
     assert [p.name for p in ckpts] == ["step_000002"]

@@ -102,6 +102,26 @@ def _old_run_config(cfg) -> dict:
     return data
 
 
+def test_ppo_keys_moved_to_their_section_are_refused_naming_it_and_read_from_old_runs(tmp_path):
+    with pytest.raises(ConfigError, match=r"training\.vf_coef: .*\(removed: use training\.ppo\.vf_coef\)"):
+        build_config({"training": {"vf_coef": 0.1}})
+    with pytest.raises(ConfigError, match=r"^--set training\.gamma=0\.9: .*\(removed: use training\.ppo\.gamma\)"):
+        load_config(Path(__file__).resolve().parents[1] / "params" / "laptop-ppo.yaml", ["training.gamma=0.9"])
+    cfg = build_config({"run_name": "old-ppo", "output_root": str(tmp_path), "training": {
+        "algorithm": "ppo", "ppo": {"value_learning_rate": 3e-4, "value_clip_eps": 0.1, "vf_coef": 0.25,
+                                    "gamma": 0.9, "lam": 0.8, "whiten_advantages": False}}})
+    data = cfg.model_dump(mode="json")
+    ppo = data["training"].pop("ppo")  # how runs before the ppo section saved it (its six keys, flat)
+    data["training"].update({k: ppo[k] for k in ("value_learning_rate", "value_clip_eps", "vf_coef", "gamma", "lam",
+                                                 "whiten_advantages")})
+    assert "ppo" not in data["training"] and data["training"]["lam"] == 0.8
+    old = tmp_path / "old-ppo" / "config.yaml"
+    old.parent.mkdir()
+    old.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    assert load_run_config(old) == cfg
+    assert load_run_config(old).training.ppo.value_learning_rate == 3e-4
+
+
 def test_an_old_runs_config_yaml_with_unused_keys_is_still_read(tmp_path):
     from rlver_lib.analysis.runs import run_config
     from rlver_lib.pipeline.notebook import open_run

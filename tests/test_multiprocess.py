@@ -65,7 +65,7 @@ def _config(tmp_path: Path, name: str, algorithm: str, scenarios_per_step: int, 
         "rollout": {"max_turns": 1},
         "training": {"algorithm": algorithm, "steps": steps, "scenarios_per_step": scenarios_per_step,
                      "group_size": group_size, "mini_batch_size": mini_batch_size, "grad_accum_steps": grad_accum_steps,
-                     "learning_rate": 1e-3, "value_learning_rate": 1e-3, "checkpoint_every": 1,
+                     "learning_rate": 1e-3, "ppo": {"value_learning_rate": 1e-3}, "checkpoint_every": 1,
                      "keep_checkpoints": 1},
         "distributed": {"timeout_s": TIMEOUT_S},
     }

@@ -467,8 +467,9 @@ def _padded(samples, key):
 @pytest.mark.slow
 def test_error_dialogues_are_counted_and_accumulation_steps_once_per_window_with_the_full_gradient(tmp_path):
     torch.set_num_threads(2)
-    cfg = tiny_config(tmp_path, "accum", algorithm="ppo", vf_coef=0.0, steps=1, scenarios_per_step=2, group_size=2,
-               mini_batch_size=2, grad_accum_steps=2, max_grad_norm=1e6, entropy_coef=0.0, is_correction=False)
+    cfg = tiny_config(tmp_path, "accum", algorithm="ppo", ppo={"vf_coef": 0.0}, steps=1, scenarios_per_step=2,
+                      group_size=2, mini_batch_size=2, grad_accum_steps=2, max_grad_norm=1e6, entropy_coef=0.0,
+                      is_correction=False)
     cfg.policy.dtype = "float32"
     trainer = Trainer(cfg, tiny_scenarios(2), simulator=_Erroring(starts_with_i))
     # error dialogues: left out by default, counted; trained on with reward 0 on request
@@ -526,7 +527,7 @@ def test_error_dialogues_are_counted_and_accumulation_steps_once_per_window_with
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm,extra", [
     ("grpo", {}),
-    ("ppo", {"vf_coef": 0.1, "value_learning_rate": 1e-3}),
+    ("ppo", {"ppo": {"vf_coef": 0.1, "value_learning_rate": 1e-3}}),
     ("grpo", {"reward_scale": -1.0}),  # the reversed-reward control must lower the reward
 ], ids=["grpo", "ppo", "grpo-reversed"])
 def test_learner_moves_reward_of_real_policy_the_way_it_is_told(tmp_path, algorithm, extra):
@@ -618,3 +619,52 @@ def test_paper_recipe_takes_a_real_step_on_the_embedded_policy(tmp_path, recipe)
     assert any(float(p.abs().sum()) > 0 for n, p in trainer.model.policy.named_parameters() if "lora_B" in n)
     assert (cfg.run_dir / "train" / "adapter" / "adapter_config.json").is_file()
     assert (cfg.run_dir / "train" / "checkpoints" / "step_000001" / "trainer_state.json").is_file()
+
+
+def test_ppo_critic_warmup_trains_the_value_head_alone_and_the_value_offset_is_the_first_steps_mean_reward(tmp_path):
+    """``training.ppo.critic_warmup_steps: 1`` and ``value_offset: first_step_mean_reward``:
+    step 1 leaves every LoRA weight as it was (learning rate 0, no policy terms) while the
+    value head moves; step 2 trains the policy. The offset is fixed before step 1's
+    scoring, so step 1's values are that constant (value s.d. 0, value mean = the mean
+    training reward), and it survives a resume from the step-2 checkpoint."""
+    torch.set_num_threads(2)
+    cfg = tiny_config(tmp_path, "warmup", algorithm="ppo", steps=3, scenarios_per_step=2, group_size=2,
+                      mini_batch_size=2, ppo={"critic_warmup_steps": 1, "value_offset": "first_step_mean_reward",
+                                              "value_learning_rate": 1e-2})
+    trainer = Trainer(cfg, tiny_scenarios(3), simulator=RuleSimulator(hashed_change))
+    lora = {n: p.detach().clone() for n, p in trainer.model.policy.named_parameters() if p.requires_grad}
+    head = trainer.model.value_head.weight.detach().clone()
+    (row1,) = trainer.train(stop_after=1)
+    assert row1["learning_rate"] == 0.0 and row1["optimizer_steps"] == 2
+    assert all(torch.equal(p, lora[n]) for n, p in trainer.model.policy.named_parameters() if p.requires_grad)
+    assert not torch.equal(trainer.model.value_head.weight, head)
+    offset = float(trainer.model.value_offset)
+    assert offset == pytest.approx(row1["train_reward_mean"]) and 0.0 < offset < 1.0
+    assert row1["value_mean"] == pytest.approx(offset) and row1["value_sd"] == pytest.approx(0.0, abs=1e-6)
+    row2 = trainer.train(stop_after=2)[-1]
+    assert row2["learning_rate"] == cfg.training.learning_rate
+    assert any(not torch.equal(p, lora[n]) for n, p in trainer.model.policy.named_parameters() if p.requires_grad)
+    assert float(trainer.model.value_offset) == offset  # fixed once, not re-set on later steps
+    trainer.close()
+    resumed = Trainer(cfg, tiny_scenarios(3), simulator=RuleSimulator(hashed_change))
+    assert resumed.step == 2 and float(resumed.model.value_offset) == offset
+    resumed.close()
+
+
+def test_grpo_has_no_critic_warmup_and_ppo_without_an_offset_has_no_buffer(tmp_path):
+    from rlver_lib.algorithm_objects import algorithm_for
+
+    grpo = tiny_config(tmp_path, "g", ppo={"critic_warmup_steps": 3})
+    assert algorithm_for(grpo.training).critic_warmup_steps(grpo.training) == 0
+    ppo = tiny_config(tmp_path, "p", algorithm="ppo", ppo={"critic_warmup_steps": 3})
+    assert algorithm_for(ppo.training).critic_warmup_steps(ppo.training) == 3
+    from rlver_lib.learner import build_model
+
+    assert not hasattr(build_model(ppo)[0], "value_offset")
+    # a warm-up step's loss is the value term alone: with vf_coef 0 nothing has a gradient
+    silent = tiny_config(tmp_path, "silent", algorithm="ppo", steps=1, max_grad_norm=1e6,
+                         ppo={"critic_warmup_steps": 1, "vf_coef": 0.0})
+    trainer = Trainer(silent, tiny_scenarios(2), simulator=RuleSimulator(hashed_change))
+    (row,) = trainer.train()
+    trainer.close()
+    assert row["optimizer_steps"] == 1 and row["grad_norm"] == 0.0 and row["policy_loss"] != 0.0
