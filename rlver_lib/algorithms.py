@@ -42,12 +42,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return total / count.clamp(min=1.0)
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Population variance (scalar) of ``values`` over the mask positions."""
-    mean = masked_mean(values, mask)
-    return masked_mean((values - mean) ** 2, mask)
-
-
 def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[count, sum, sum of squares]`` (float64) of ``values`` over the mask positions.
 
