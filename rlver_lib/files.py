@@ -1,5 +1,6 @@
-"""Atomic file output, JSON Lines reading/writing and the user cache folder, shared by
-every module.
+"""Atomic file output, JSON Lines reading/writing, the user cache folder, and every
+path of a run folder, a benchmark's folder, an ablation's folder and a checkpoint
+(docs/ARCHITECTURE.md "Run folder"), shared by every module.
 
 Writes go to a temporary file in the target folder and are renamed into place,
 so an interrupted run never leaves a half-written file behind.
@@ -149,12 +150,15 @@ def process_rank() -> int:
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
+ADAPTER_CONFIG = "adapter_config.json"
+"""``peft``'s file in a saved LoRA adapter folder (``save_pretrained``): there once the adapter is saved."""
+
 
 @dataclass(frozen=True)
 class RunFolder:
     """Every path of a run folder (docs/ARCHITECTURE.md "Run folder"), named once:
-    ``RunFolder(cfg.run_dir).eval_dir("trained") / "summary.json"``. Paths only; nothing
-    is created or read here."""
+    ``RunFolder(cfg.run_dir).eval_dir("trained").summary``. Paths only; nothing is
+    created or read here."""
 
     root: Path
 
@@ -200,24 +204,25 @@ class RunFolder:
     def eval(self) -> Path:
         return self.root / "eval"
 
-    def eval_dir(self, label: str) -> Path:
+    def eval_dir(self, label: str) -> EvalFolder:
         """``eval/<label>/``: one benchmark (``baseline``, ``trained``)."""
-        return self.eval / label
+        return EvalFolder(self.eval / label)
 
-    def eval_dialogues(self, label: str) -> Path:
-        return self.eval_dir(label) / "dialogues.jsonl"
-
-    def eval_summary(self, label: str) -> Path:
-        """``eval/<label>/summary.json``: the benchmark's figures and its judge."""
-        return self.eval_dir(label) / "summary.json"
+    def eval_dirs(self) -> list[EvalFolder]:
+        """Every ``eval/<label>/`` folder, sorted by label."""
+        return [EvalFolder(p) for p in sorted(self.eval.iterdir()) if p.is_dir()] if self.eval.is_dir() else []
 
     def summaries(self) -> list[Path]:
-        """Every ``eval/<label>/summary.json``, sorted."""
-        return sorted(self.eval.glob("*/summary.json"))
+        """Every ``eval/<label>/summary.json`` there is, sorted by label."""
+        return [b.summary for b in self.eval_dirs() if b.summary.is_file()]
 
     def eval_trajectories(self) -> list[Path]:
-        """Every ``eval/<label>/trajectory.csv``, sorted."""
-        return sorted(self.eval.glob("*/trajectory.csv"))
+        """Every ``eval/<label>/trajectory.csv`` there is, sorted by label."""
+        return [b.trajectory for b in self.eval_dirs() if b.trajectory.is_file()]
+
+    def eval_figure(self, label: str, kind: str) -> Path:
+        """``figures/eval_<label>_<kind>.png``: a benchmark's figure (``trajectory``, ``breakdown``)."""
+        return self.figures / f"eval_{label}_{kind}.png"
 
     @property
     def paired(self) -> Path:
@@ -280,6 +285,100 @@ class RunFolder:
     def adapter(self) -> Path:
         """``train/adapter/``: the final LoRA adapter."""
         return self.train / "adapter"
+
+    @property
+    def adapter_config(self) -> Path:
+        """``train/adapter/adapter_config.json`` (:data:`ADAPTER_CONFIG`): there once the final adapter is saved."""
+        return self.adapter / ADAPTER_CONFIG
+
+
+@dataclass(frozen=True)
+class EvalFolder:
+    """One benchmark's files: ``eval/<label>/`` of a run folder (:meth:`RunFolder.eval_dir`),
+    or any folder a benchmark is written to (``out_dir`` of
+    :func:`rlver_lib.evaluation.benchmark.run_benchmark`). docs/ARCHITECTURE.md "Run
+    folder". Paths only."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def dialogues(self) -> Path:
+        """``dialogues.jsonl``: one dialogue record per line (docs/ARCHITECTURE.md "Records")."""
+        return self.root / "dialogues.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        """``summary.json``: the benchmark's figures, its judge and protocol."""
+        return self.root / "summary.json"
+
+    @property
+    def breakdown(self) -> Path:
+        """``breakdown.csv``: the figures per level of each breakdown factor (``benchmark.breakdown_table``)."""
+        return self.root / "breakdown.csv"
+
+    @property
+    def trajectory(self) -> Path:
+        """``trajectory.csv``: the mean emotion (points) per turn (``benchmark.trajectory_table``)."""
+        return self.root / "trajectory.csv"
+
+    @property
+    def capability(self) -> Path:
+        """``capability.json``: the capability-retention headline figures."""
+        return self.root / "capability.json"
+
+    @property
+    def humaneval(self) -> Path:
+        """``humaneval.jsonl``: one HumanEval problem's outcome per line."""
+        return self.root / "humaneval.jsonl"
+
+    @property
+    def math(self) -> Path:
+        """``math.json``: the maths accuracy with its interval and every item."""
+        return self.root / "math.json"
+
+    @property
+    def lm_eval(self) -> Path:
+        """``lm_eval.json``: the ``lm-eval`` harness's results per task."""
+        return self.root / "lm_eval.json"
+
+
+@dataclass(frozen=True)
+class AblationFolder:
+    """An ablation's folder, ``<output_root>/<grid name>/`` (RLVER §5): the grid file,
+    one run folder per cell, and the comparison's notebook and report where a run keeps
+    its own (:class:`RunFolder`). Paths only."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def grid(self) -> Path:
+        """``grid.yaml``: a copy of the grid file the ablation ran."""
+        return self.root / "grid.yaml"
+
+    @property
+    def notebooks(self) -> Path:
+        """``notebooks/``: the executed comparison notebook."""
+        return RunFolder(self.root).notebooks
+
+    @property
+    def report(self) -> Path:
+        """``report.html``: the comparison of the cells."""
+        return RunFolder(self.root).report
+
+    def cell(self, name: str) -> RunFolder:
+        """``<cell>/``: one cell's run folder."""
+        return RunFolder(self.root / name)
+
+    def cells(self) -> list[RunFolder]:
+        """Every cell that has started (its ``config.yaml`` written), sorted by name."""
+        return [RunFolder(p) for p in sorted(self.root.iterdir()) if RunFolder(p).config.is_file()] \
+            if self.root.is_dir() else []
 
 
 @dataclass(frozen=True)

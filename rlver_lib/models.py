@@ -33,7 +33,7 @@ from rlver_lib.config import (
     PolicyConfig,
     UserModelConfig,
 )
-from rlver_lib.files import atomic_directory, cache_dir
+from rlver_lib.files import ADAPTER_CONFIG, atomic_directory, cache_dir
 from rlver_lib.simulator import RuleSimulator, UserSimulator
 
 if TYPE_CHECKING:
@@ -259,8 +259,8 @@ def _check_adapter(adapter: str) -> None:
     path = Path(adapter).expanduser()
     looks_local = path.is_absolute() or adapter.startswith((".", "~")) or adapter.count("/") != 1
     if path.is_dir():
-        if not (path / "adapter_config.json").is_file():
-            raise ConfigError(f"policy.adapter: {adapter!r} holds no adapter_config.json "
+        if not (path / ADAPTER_CONFIG).is_file():
+            raise ConfigError(f"policy.adapter: {adapter!r} holds no {ADAPTER_CONFIG} "
                               "(not a saved LoRA adapter)")
     elif looks_local:
         raise ConfigError(f"policy.adapter: no such adapter folder {adapter!r}")

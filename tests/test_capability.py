@@ -27,6 +27,7 @@ from rlver_lib.evaluation.capability import (
     run_retention,
     run_sandboxed,
 )
+from rlver_lib.files import EvalFolder
 
 # --------------------------------------------------------------------------- sandbox
 
@@ -218,7 +219,7 @@ def test_retention_round_trip(tmp_path):
     trained = run_retention(Policy(True), cfg, tmp_path / "trained", seed=0, n_boot=50)
     assert base["humaneval"]["n"] == 2 and base["humaneval"]["pass_at_1"] == 0.0
     assert (base["math"]["accuracy"], trained["math"]["accuracy"]) == (0.0, 1.0)
-    diffs = compare_retention(tmp_path / "baseline", tmp_path / "trained")
+    diffs = compare_retention(EvalFolder(tmp_path / "baseline"), EvalFolder(tmp_path / "trained"))
     assert diffs["math"].difference.mean_diff == 1.0 and diffs["math"].difference.n_positive == 2
     assert diffs["humaneval"].difference.mean_diff == 0.0
     table = retention_table(diffs)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from source_support import without_magics
 
 NOTEBOOKS = [pytest.param(p, id=p.stem)
              for p in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))]
@@ -23,9 +24,8 @@ def _root_name(node: ast.AST) -> str | None:
 
 def cell_problems(source: str, config_names: tuple[str, ...] = ("cfg",)) -> list[str]:
     """What in one cell's source breaks the rule, as readable strings (empty: fine)."""
-    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
     problems: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(code)):
+    for node in ast.walk(ast.parse(without_magics(source))):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             problems.append((node.lineno, f"defines {node.name}"))
         elif isinstance(node, ast.Lambda):

@@ -48,7 +48,7 @@ def cells_table(run_dirs: Sequence[str | Path], axes: Sequence[str] = PAPER_AXES
 def scenario_finals(run_dir: str | Path, label: str = "trained") -> pd.Series:
     """Mean final emotion per scenario id of ``<run>/eval/<label>/dialogues.jsonl``
     (repeats averaged; errored dialogues left out); empty when absent."""
-    recs = scored_records(RunFolder(run_dir).eval_dialogues(label))
+    recs = scored_records(RunFolder(run_dir).eval_dir(label).dialogues)
     if not recs:
         return pd.Series(dtype=float)
     frame = pd.DataFrame({"scenario_id": [r["scenario_id"] for r in recs],

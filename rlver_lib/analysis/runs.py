@@ -242,7 +242,7 @@ def paired_report(run_dir: str | Path, *, top: int = 8) -> dict[str, Any] | None
     if not path.is_file():
         return None
     paired = json.loads(path.read_text(encoding="utf-8"))
-    sides = [load_records(RunFolder(run_dir).eval_dialogues(paired[side]))
+    sides = [load_records(RunFolder(run_dir).eval_dir(paired[side]).dialogues)
              for side in ("baseline", "trained")]
     figure = plot_paired_scenarios(paired) if paired.get("scenarios") else None
     return {"figure": figure, **reply_changes(*sides, top=top)}
@@ -257,7 +257,7 @@ def run_replies(run_dir: str | Path) -> pd.DataFrame:
     run_dir = Path(run_dir)
     parts = []
     for label in ("baseline", "trained"):
-        recs = scored_records(RunFolder(run_dir).eval_dialogues(label))
+        recs = scored_records(RunFolder(run_dir).eval_dir(label).dialogues)
         if recs:
             parts.append(_turns_of(recs).assign(source=label, step=np.nan))
     for path in RunFolder(run_dir).step_dialogues():

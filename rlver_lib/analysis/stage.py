@@ -206,7 +206,7 @@ def consistency_analysis(cfg: Any, run_dir: str | Path, label: str = "trained") 
     """Re-appraise ``analysis.consistency_sample`` recorded turns of ``eval/<label>`` with the
     benchmark judge at its own seed and at seed + 1 (:func:`simulator_consistency`);
     ``None`` when the sample size is 0 or nothing was recorded."""
-    records = scored_records(RunFolder(run_dir).eval_dialogues(label))
+    records = scored_records(RunFolder(run_dir).eval_dir(label).dialogues)
     if not cfg.analysis.consistency_sample or not records:
         return None
     scenarios = load_scenarios(RunFolder(run_dir).scenarios("test"))
@@ -243,8 +243,8 @@ def sycophancy_analysis(cfg: Any, run_dir: str | Path, annotator: ChatBackend,
     scenarios = at_fault_scenarios(load_scenarios(cfg.scenarios.test))
     if not scenarios or not cfg.analysis.sycophancy_samples:
         return None
-    adapter = RunFolder(run_dir).adapter
-    policy_cfg = cfg.policy.model_copy(update={"adapter": str(adapter) if (adapter / "adapter_config.json").is_file()
+    folder = RunFolder(run_dir)
+    policy_cfg = cfg.policy.model_copy(update={"adapter": str(folder.adapter) if folder.adapter_config.is_file()
                                                else None})
     model, tokenizer = load_policy(policy_cfg)
     import torch

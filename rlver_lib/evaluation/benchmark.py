@@ -21,7 +21,7 @@ from rlver_lib import character
 from rlver_lib.appraisal import FAILURE_EMOTION, SUCCESS_EMOTION
 from rlver_lib.backends import ChatBackend, derive_seed
 from rlver_lib.config import SamplingParams
-from rlver_lib.files import atomic_write_json, atomic_write_text, write_jsonl
+from rlver_lib.files import EvalFolder, atomic_write_json, atomic_write_text, write_jsonl
 from rlver_lib.records import DialogueView, dialogue_view
 from rlver_lib.rollout import parse_think, policy_messages, run_rollouts
 from rlver_lib.stats import Estimate, cluster_bootstrap_ci
@@ -243,12 +243,13 @@ def _scenario_fields(scenario: Any) -> dict[str, Any]:
 
 def write_summary(summary: BenchmarkSummary, out_dir: str | Path, label: str,
                   extra: dict[str, Any] | None = None) -> None:
-    """Write ``summary.json`` (label, ``extra`` such as judge and protocol, figures),
-    ``breakdown.csv`` and ``trajectory.csv`` atomically."""
-    out_dir = Path(out_dir)
-    atomic_write_json(out_dir / "summary.json", {"label": label, **(extra or {}), **summary.to_dict()})
-    atomic_write_text(out_dir / "breakdown.csv", summary.breakdown.to_csv(index=False))
-    atomic_write_text(out_dir / "trajectory.csv", summary.trajectory.to_csv(index=False))
+    """Write the :class:`~rlver_lib.files.EvalFolder` ``out_dir``'s ``summary.json`` (label,
+    ``extra`` such as judge and protocol, figures), ``breakdown.csv`` and ``trajectory.csv``
+    atomically."""
+    folder = EvalFolder(out_dir)
+    atomic_write_json(folder.summary, {"label": label, **(extra or {}), **summary.to_dict()})
+    atomic_write_text(folder.breakdown, summary.breakdown.to_csv(index=False))
+    atomic_write_text(folder.trajectory, summary.trajectory.to_csv(index=False))
 
 
 def _reseeded(simulator: Any, seed: int) -> Any:
@@ -308,8 +309,9 @@ def run_benchmark(
     judge: dict[str, Any] | None = None,
     progress: bool = True,
 ) -> BenchmarkResult:
-    """Run the Sentient benchmark and write ``out_dir/{dialogues.jsonl, summary.json,
-    breakdown.csv, trajectory.csv}`` atomically.
+    """Run the Sentient benchmark and write the :class:`~rlver_lib.files.EvalFolder`
+    ``out_dir``'s ``dialogues.jsonl``, ``summary.json``, ``breakdown.csv`` and
+    ``trajectory.csv`` atomically.
 
     ``simulator`` is the judge's simulated user (:attr:`rlver_lib.evaluation.judge.Judge.simulator`);
     ``judge`` its :attr:`~rlver_lib.evaluation.judge.Judge.description`, recorded in
@@ -336,6 +338,7 @@ def run_benchmark(
     if appraised_turns < 1:
         raise ValueError("the sage protocol needs max_turns >= 2 (one reply is never appraised)")
     by_id = {s.id: s for s in scenarios}
+    folder = EvalFolder(out_dir)
     records: list[dict[str, Any]] = []
     for k in range(protocol["repeats"]):
         seed_k = seed if k == 0 else derive_seed(seed, "repeat", k)
@@ -351,11 +354,11 @@ def run_benchmark(
         )
         fatal = getattr(judge_k, "fatal_error", None)
         if fatal:  # keep what was played (the dialogues in flight end with `error`), then stop
-            write_jsonl(Path(out_dir) / "dialogues.jsonl", records + [
+            write_jsonl(folder.dialogues, records + [
                 {**t.to_record(), "label": label, "repeat": k, "seed": seed_k, "protocol": protocol["name"],
                  **_scenario_fields(by_id[t.scenario_id])} for t in trajectories])
             raise RuntimeError(f"the judge's backend died during the benchmark: {fatal}; the dialogues played "
-                               f"so far are in {Path(out_dir) / 'dialogues.jsonl'}")
+                               f"so far are in {folder.dialogues}")
         if protocol["name"] == "sage":
             _add_unappraised_reply(policy_backend, trajectories, by_id, appraised_turns=appraised_turns,
                                    think=think, sampling=sampling, seed=seed_k,
@@ -366,11 +369,10 @@ def run_benchmark(
             records.append({**record, "label": label, "repeat": k, "seed": seed_k, "protocol": protocol["name"],
                             **_scenario_fields(by_id[t.scenario_id])})
     summary = summarize(records, n_boot=eval_cfg.bootstrap_samples, confidence=eval_cfg.confidence, seed=seed)
-    out_dir = Path(out_dir)
-    write_jsonl(out_dir / "dialogues.jsonl", records)
-    write_summary(summary, out_dir, label, {"judge": judge or {"backend": type(simulator).__name__},
+    write_jsonl(folder.dialogues, records)
+    write_summary(summary, folder.root, label, {"judge": judge or {"backend": type(simulator).__name__},
                                             "protocol": protocol, "character": character.summarize(records)})
-    return BenchmarkResult(label, records, summary, out_dir)
+    return BenchmarkResult(label, records, summary, folder.root)
 
 
 def protocol_description(eval_cfg: Any) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from scipy.stats import norm
 
 from rlver_lib.backends import ChatBackend
 from rlver_lib.config import SamplingParams
-from rlver_lib.files import atomic_write_json, iter_jsonl, write_jsonl
+from rlver_lib.files import EvalFolder, atomic_write_json, iter_jsonl, write_jsonl
 from rlver_lib.stats import PairedDifference, bootstrap_ci, paired_difference
 
 # --------------------------------------------------------------------------- sandbox
@@ -412,7 +412,8 @@ def math_accuracy(policy: ChatBackend, items: Sequence[MathItem], *, max_new_tok
 
 def run_retention(policy: ChatBackend, cap_cfg: Any, out_dir: str | Path, *, seed: int,
                   n_boot: int = 1000, confidence: float = 0.95) -> dict[str, Any]:
-    """The offline retention checks of one policy, written into ``out_dir``.
+    """The offline retention checks of one policy, written into the
+    :class:`~rlver_lib.files.EvalFolder` ``out_dir``.
 
     ``cap_cfg`` is a ``capability`` config block: ``humaneval_n`` problems (seeded
     sample) at ``humaneval_max_new_tokens`` with ``timeout_s`` / ``memory_mb`` per
@@ -421,13 +422,13 @@ def run_retention(policy: ChatBackend, cap_cfg: Any, out_dir: str | Path, *, see
     with a bootstrap interval and ``items``) and ``capability.json`` (headline
     figures).  Returns the ``capability.json`` content.
     """
-    out_dir = Path(out_dir)
+    folder = EvalFolder(out_dir)
     summary: dict[str, Any] = {}
     if cap_cfg.humaneval_n:
         problems = load_humaneval(cap_cfg.humaneval_n, seed=seed)
         code = humaneval_pass_at_1(policy, problems, max_new_tokens=cap_cfg.humaneval_max_new_tokens,
                                    timeout_s=cap_cfg.timeout_s, memory_mb=cap_cfg.memory_mb, seed=seed)
-        write_jsonl(out_dir / "humaneval.jsonl", code.table.to_dict(orient="records"))
+        write_jsonl(folder.humaneval, code.table.to_dict(orient="records"))
         summary["humaneval"] = {"pass_at_1": code.pass_at_1, "n": len(code.table),
                                 "statuses": code.table["status"].value_counts().to_dict()}
     if cap_cfg.math_n:
@@ -435,33 +436,32 @@ def run_retention(policy: ChatBackend, cap_cfg: Any, out_dir: str | Path, *, see
                               max_new_tokens=cap_cfg.math_max_new_tokens, seed=seed)
         acc = bootstrap_ci(table["correct"].to_numpy(dtype=float), n_boot=n_boot,
                            confidence=confidence, seed=seed)
-        atomic_write_json(out_dir / "math.json", {"accuracy": asdict(acc), "checker": "math-verify",
-                                                  "items": table.to_dict(orient="records")})
+        atomic_write_json(folder.math, {"accuracy": asdict(acc), "checker": "math-verify",
+                                        "items": table.to_dict(orient="records")})
         summary["math"] = {"accuracy": acc.value, "n": len(table), "checker": "math-verify"}
-    atomic_write_json(out_dir / "capability.json", summary)
+    atomic_write_json(folder.capability, summary)
     return summary
 
 
-def compare_retention(base_dir: str | Path, trained_dir: str | Path, *, n_boot: int = 2000,
+def compare_retention(base: EvalFolder, trained: EvalFolder, *, n_boot: int = 2000,
                       confidence: float = 0.95, seed: int = 0) -> dict[str, RetentionComparison]:
-    """Paired base-vs-trained comparisons from two evaluation folders (``eval/baseline``,
-    ``eval/trained``): ``humaneval`` (pass/fail per task) and ``math`` (correct per item),
-    each over the items both folders hold (:func:`compare_scores`).  A check missing
-    from either folder is left out.  Raises ``ValueError`` when the two folders share
-    no item of a check."""
+    """Paired base-vs-trained comparisons from two benchmarks' folders (``eval/baseline``,
+    ``eval/trained``: :meth:`rlver_lib.files.RunFolder.eval_dir`): ``humaneval``
+    (pass/fail per task) and ``math`` (correct per item), each over the items both folders
+    hold (:func:`compare_scores`).  A check missing from either folder is left out.
+    Raises ``ValueError`` when the two folders share no item of a check."""
     out: dict[str, RetentionComparison] = {}
-    base_dir, trained_dir = Path(base_dir), Path(trained_dir)
     sources = {
-        "humaneval": ("humaneval.jsonl", "task_id", "passed"),
-        "math": ("math.json", "id", "correct"),
+        "humaneval": (base.humaneval, trained.humaneval, "task_id", "passed"),
+        "math": (base.math, trained.math, "id", "correct"),
     }
-    for name, (fname, key, col) in sources.items():
-        if not ((base_dir / fname).is_file() and (trained_dir / fname).is_file()):
+    for name, (base_file, trained_file, key, col) in sources.items():
+        if not (base_file.is_file() and trained_file.is_file()):
             continue
-        a, b = _item_scores(base_dir / fname, key, col), _item_scores(trained_dir / fname, key, col)
+        a, b = _item_scores(base_file, key, col), _item_scores(trained_file, key, col)
         common = sorted(set(a) & set(b))
         if not common:
-            raise ValueError(f"{name}: {base_dir} and {trained_dir} share no item")
+            raise ValueError(f"{name}: {base.root} and {trained.root} share no item")
         out[name] = compare_scores(name, [a[k] for k in common], [b[k] for k in common],
                                    n_boot=n_boot, confidence=confidence, seed=seed)
     return out

@@ -151,15 +151,15 @@ def write_paired(run_dir: str | Path, *, baseline: str = "baseline", trained: st
     Raises :class:`JudgeMismatchError` when the two were judged differently.
     """
     folder = RunFolder(run_dir)
-    labels = (baseline, trained)
-    if not all(folder.eval_dialogues(name).is_file() for name in labels):
+    benches = {name: folder.eval_dir(name) for name in (baseline, trained)}
+    if not all(bench.dialogues.is_file() for bench in benches.values()):
         return None
-    summaries = {name: json.loads(folder.eval_summary(name).read_text(encoding="utf-8"))
-                 for name in labels if folder.eval_summary(name).is_file()}
+    summaries = {name: json.loads(bench.summary.read_text(encoding="utf-8"))
+                 for name, bench in benches.items() if bench.summary.is_file()}
     if len(summaries) == 2:
         check_same_judge(summaries)
-    comparison = paired_comparison(load_records(folder.eval_dialogues(baseline)),
-                                   load_records(folder.eval_dialogues(trained)),
+    comparison = paired_comparison(load_records(benches[baseline].dialogues),
+                                   load_records(benches[trained].dialogues),
                                    n_boot=n_boot, confidence=confidence, seed=seed)
     summary = summaries.get(trained, {})
     atomic_write_json(folder.paired,

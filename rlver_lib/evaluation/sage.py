@@ -15,7 +15,7 @@ import pandas as pd
 
 from rlver_lib.appraisal import FAILURE_EMOTION, SUCCESS_EMOTION
 from rlver_lib.evaluation.benchmark import transcript_protocol
-from rlver_lib.files import JsonlError
+from rlver_lib.files import EvalFolder, JsonlError
 from rlver_lib.records import RecordError, dialogue_view, load_records
 
 # --------------------------------------------------------------------------- SAGE scoring
@@ -43,7 +43,7 @@ def sage_score(paths: Iterable[str | Path]) -> pd.DataFrame:
             raise RecordError(f"{path}: no dialogue records")
         final = np.array([v.final_emotion for v in views])
         protocol = transcript_protocol(views)
-        model = path.parent.name if path.name == "dialogues.jsonl" else re.sub(r"_result$", "", path.stem)
+        model = path.parent.name if path == EvalFolder(path.parent).dialogues else re.sub(r"_result$", "", path.stem)
         rows.append({
             "file": path.name, "model": model, "n": int(final.size),
             "sentient_score": float(final.mean()),

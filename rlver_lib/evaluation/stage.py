@@ -222,12 +222,12 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation | None:
     ``eval/<label>/``); another rank loads nothing, calls no judge and returns ``None``.
     """
     label = label or ("trained" if cfg.policy.adapter else "baseline")
+    folder = RunFolder(cfg.run_dir)
+    bench = folder.eval_dir(label)
     rank = process_rank()
     if rank > 0:
-        print(f"rank {rank}: the benchmark runs on rank 0 only, which writes {RunFolder(cfg.run_dir).eval_dir(label)}")
+        print(f"rank {rank}: the benchmark runs on rank 0 only, which writes {bench.root}")
         return None
-    folder = RunFolder(cfg.run_dir)
-    out_dir = folder.eval_dir(label)
     model, tokenizer = load_policy(cfg.policy)
     policy = make_policy_backend(cfg.policy, model, tokenizer)
     scenarios = load_scenarios(cfg.scenarios.test)[: cfg.scenarios.limit_test]
@@ -236,20 +236,18 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation | None:
         simulator = judge.simulator  # built first: the description then records what its server serves
         result = run_benchmark(
             policy, simulator, scenarios, cfg.evaluation, sampling=sampling, think=cfg.policy.think, seed=cfg.seed,
-            out_dir=out_dir, label=label, max_context_tokens=cfg.policy.max_context_tokens,
+            out_dir=bench.root, label=label, max_context_tokens=cfg.policy.max_context_tokens,
             format_violation=cfg.policy.format_violation, judge=judge.description)
-    figures = folder.figures
     traj = result.summary.trajectory.assign(label=label)
-    save_figure(plot_emotion_trajectories(traj), figures / f"eval_{label}_trajectory.png")
-    save_figure(plot_breakdown(result.summary.breakdown),
-                         figures / f"eval_{label}_breakdown.png")
+    save_figure(plot_emotion_trajectories(traj), folder.eval_figure(label, "trajectory"))
+    save_figure(plot_breakdown(result.summary.breakdown), folder.eval_figure(label, "breakdown"))
     capability = None
     if cfg.capability.enabled:
-        capability = run_retention(policy, cfg.capability, out_dir, seed=cfg.seed,
+        capability = run_retention(policy, cfg.capability, bench.root, seed=cfg.seed,
                              n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence)
         if cfg.capability.lm_eval.enabled:  # the harness path (GPU, model hub): rlver_lib.evaluation.capability
             capability["lm_eval"] = run_lm_eval(cfg.policy.model, cfg.policy.adapter, cfg.capability.lm_eval,
-                                          out_dir / "lm_eval.json", dtype=cfg.policy.compute_dtype(), seed=cfg.seed)
+                                          bench.lm_eval, dtype=cfg.policy.compute_dtype(), seed=cfg.seed)
     paired = None
     if label != "baseline":
         paired = write_paired(cfg.run_dir, trained=label, n_boot=cfg.evaluation.bootstrap_samples,

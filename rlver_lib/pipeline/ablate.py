@@ -17,7 +17,7 @@ from tqdm import tqdm
 from rlver_lib.config import ConfigError, RunConfig
 from rlver_lib.evaluation.benchmark import protocol_description
 from rlver_lib.evaluation.judge import Judge, JudgeMismatchError, check_same_judge
-from rlver_lib.files import RunFolder, atomic_write_text, process_rank
+from rlver_lib.files import AblationFolder, atomic_write_text, process_rank
 from rlver_lib.params import build_config, load_params
 from rlver_lib.pipeline.manifest import read_manifest
 from rlver_lib.pipeline.report import execute_notebook, limits_statement, render_report
@@ -111,12 +111,12 @@ def planned_judges(cells: list[AblationCell]) -> dict[str, dict[str, Any]]:
                         "protocol": protocol_description(cell.config.evaluation)} for cell in cells}
 
 
-def recorded_judges(grid_dir: Path, cells: list[AblationCell]) -> dict[str, dict[str, Any]]:
+def recorded_judges(folder: AblationFolder, cells: list[AblationCell]) -> dict[str, dict[str, Any]]:
     """What the cells' benchmarks recorded (``eval/<label>/summary.json`` with figures),
     keyed ``<cell>/<label>``: catches cells resumed from older runs."""
     summaries = {}
     for cell in cells:
-        for path in RunFolder(grid_dir / cell.name).summaries():
+        for path in folder.cell(cell.name).summaries():
             data = json.loads(path.read_text(encoding="utf-8") or "{}")
             if isinstance(data.get("sentient_score"), dict):
                 summaries[f"{cell.name}/{path.parent.name}"] = data
@@ -134,7 +134,7 @@ def run_ablation(path: str | Path, overrides: list[str] | None = None,
     cell fails or the cells' recorded judges differ.
     """
     grid, cells = load_grid(path, overrides)
-    grid_dir = (Path(grid.output_root) / grid.name).resolve()
+    folder = AblationFolder((Path(grid.output_root) / grid.name).resolve())
     try:  # a score depends on its judge: cells judged differently cannot be compared
         check_same_judge(planned_judges(cells))
     except JudgeMismatchError as err:
@@ -142,24 +142,24 @@ def run_ablation(path: str | Path, overrides: list[str] | None = None,
     if process_rank() > 0:  # a non-main rank of a multi-process launch: each cell's training only
         for cell in cells:
             run_pipeline(cell.config, params_file=str(path), progress=False)
-        return RunFolder(grid_dir).report
-    atomic_write_text(grid_dir / "grid.yaml", Path(path).read_text(encoding="utf-8"))
+        return folder.report
+    atomic_write_text(folder.grid, Path(path).read_text(encoding="utf-8"))
     for cell in tqdm(cells, desc=f"ablation {grid.name}", unit="cell", disable=not progress):
-        if read_manifest(grid_dir / cell.name).get("status") == "complete":
+        if read_manifest(folder.cell(cell.name).root).get("status") == "complete":
             continue
         run_pipeline(cell.config, params_file=str(path), progress=progress)
     try:
-        check_same_judge(recorded_judges(grid_dir, cells))
+        check_same_judge(recorded_judges(folder, cells))
     except JudgeMismatchError as err:
         raise PipelineError(f"ablation comparison refused: {err}") from None
-    output = RunFolder(grid_dir).notebooks / "05_ablations.ipynb"
+    output = folder.notebooks / "05_ablations.ipynb"
     with kernel_environment(cells[0].config):
         execute_notebook("05_ablations.ipynb", output, {
-            "grid_dir": str(grid_dir),
-            "run_dirs": [str(grid_dir / c.name) for c in cells],
+            "grid_dir": str(folder.root),
+            "run_dirs": [str(folder.cell(c.name).root) for c in cells],
             "axes": list(grid.axes),
         })
-        return render_report([output], RunFolder(grid_dir).report, ablation_header(grid.name, list(grid.axes), cells))
+        return render_report([output], folder.report, ablation_header(grid.name, list(grid.axes), cells))
 
 
 def ablation_header(name: str, axes: list[str], cells: list[AblationCell]) -> str:

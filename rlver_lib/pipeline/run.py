@@ -121,11 +121,6 @@ class Stage:
     distributed: bool = False
 
 
-def trained_adapter_dir(run_dir: Path) -> Path:
-    """Where training saves the final LoRA adapter: ``<run>/train/adapter``."""
-    return RunFolder(run_dir).adapter
-
-
 def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
     """The stages ``cfg.stages`` selects, in pipeline order.
 
@@ -134,8 +129,7 @@ def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
     when the run has no ``train`` stage.
     """
     folder = RunFolder(run_dir)
-    trained = trained_adapter_dir(run_dir)
-    adapter = str(trained) if "train" in cfg.stages else cfg.policy.adapter
+    adapter = str(folder.adapter) if "train" in cfg.stages else cfg.policy.adapter
 
     def marker(path: Path) -> str:
         return str(path.relative_to(folder.root))
@@ -143,12 +137,12 @@ def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
     every = [
         Stage("scenarios", "01_scenarios.ipynb", "01_scenarios.ipynb", marker(folder.scenarios("test"))),
         Stage("baseline", "04_evaluation.ipynb", "04_evaluation_baseline.ipynb",
-              marker(folder.eval_summary("baseline")),
+              marker(folder.eval_dir("baseline").summary),
               {"label": "baseline", "adapter": cfg.policy.adapter}),
         Stage("train", "03_training.ipynb", "03_training.ipynb",
-              marker(trained / "adapter_config.json"), distributed=True),
+              marker(folder.adapter_config), distributed=True),
         Stage("trained", "04_evaluation.ipynb", "04_evaluation_trained.ipynb",
-              marker(folder.eval_summary("trained")), {"label": "trained", "adapter": adapter}),
+              marker(folder.eval_dir("trained").summary), {"label": "trained", "adapter": adapter}),
         Stage("analysis", "06_analysis.ipynb", "06_analysis.ipynb", None),
     ]
     return [s for s in every if s.name in cfg.stages]
@@ -399,7 +393,7 @@ def _follow_pipeline(cfg: RunConfig, rank: int, *, poll_s: float | None = None,
 def _run_stage(cfg: RunConfig, run_dir: Path, stage: Stage, manifest: dict[str, Any],
                manifest_path: Path) -> None:
     output = RunFolder(run_dir).notebooks / stage.output
-    record: dict[str, Any] = {"notebook": f"notebooks/{stage.output}", "status": "running",
+    record: dict[str, Any] = {"notebook": str(output.relative_to(run_dir)), "status": "running",
                               "started": utc_now(), "finished": None}
     manifest["stages"][stage.name] = record
     atomic_write_json(manifest_path, manifest)
