@@ -95,11 +95,13 @@ class Algorithm(ABC):
     settings come in as ``training`` (a :class:`~rlver_lib.config.TrainingConfig`).
 
     The defaults are those of an algorithm without a critic. A subclass sets
-    :attr:`name` (its ``training.algorithm``) and :meth:`assign_advantages`, and an
+    :attr:`name` (its ``training.algorithm``), :attr:`label` and :meth:`assign_advantages`, and an
     algorithm with a critic overrides the critic's methods as :class:`PPO` does.
     """
 
     name: ClassVar[str]
+    label: ClassVar[str]
+    """How a report names the algorithm (``"PPO"``)."""
     critic: ClassVar[bool] = False
     """Whether the policy carries a value head (and the step logs the critic's diagnostics)."""
     update_sums: ClassVar[tuple[str, ...]] = ()
@@ -153,6 +155,7 @@ class GRPO(Algorithm):
     group-normalised reward-to-go at ``t`` (:func:`~rlver_lib.credit.grpo_turn_advantages`)."""
 
     name = "grpo"
+    label = "GRPO"
 
     def assign_advantages(self, samples: list[Any], rewards: dict[str, float],
                           turn_rewards: dict[str, list[float]] | None, training: TrainingConfig,
@@ -175,6 +178,7 @@ class PPO(Algorithm):
     ``training.ppo.value_clip_eps``)."""
 
     name = "ppo"
+    label = "PPO"
     critic = True
     update_sums = ("value_loss", "value_clipped")
 

@@ -125,10 +125,3 @@ def summarize(records: Iterable[dict[str, Any]], scenarios: dict[str, Any] | Non
         for key, value in counts.items():
             total[key] += value
     return total
-
-
-def describe(counts: dict[str, int]) -> str:
-    """One line for a report: the :func:`summarize` counts in words."""
-    return (f"{counts['wish_leaks']} hidden-wish leak(s), {counts['assistant_voice']} line(s) in the assistant's "
-            f"voice, {counts['verbatim_repeats']} verbatim repeat(s), {counts['midrange_goodbyes']} mid-range "
-            f"goodbye(s) in {counts['user_messages']} user message(s) of {counts['dialogues']} dialogue(s)")

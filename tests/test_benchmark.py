@@ -13,7 +13,7 @@ from reference_data import rlver_test_profiles
 from rlver_lib.config import EvaluationConfig, SamplingParams
 from rlver_lib.evaluation.benchmark import BREAKDOWN_FACTORS, run_benchmark, summarize
 from rlver_lib.evaluation.sage import sage_score
-from rlver_lib.evaluation.stage import error_statement
+from rlver_lib.pipeline.report import error_statement
 from rlver_lib.records import RecordError
 
 
@@ -156,7 +156,7 @@ def test_error_rate_bounds_and_context_limit_are_reported():
 
 
 def test_benchmark_counts_character_breaks_and_headline_shows_them(tmp_path):
-    from rlver_lib.evaluation.stage import headline_markdown
+    from rlver_lib.pipeline.report import headline_markdown
     from rlver_lib.scenarios import load_scenarios
     from rlver_lib.simulator import RuleSimulator
 

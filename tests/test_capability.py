@@ -17,7 +17,6 @@ from rlver_lib.evaluation.capability import (
     check_math_answer,
     compare_retention,
     compare_scores,
-    describe_comparison,
     detectable_difference,
     humaneval_pass_at_1,
     lm_eval_model_args,
@@ -28,6 +27,7 @@ from rlver_lib.evaluation.capability import (
     run_sandboxed,
 )
 from rlver_lib.files import EvalFolder
+from rlver_lib.pipeline.report import describe_comparison
 
 # --------------------------------------------------------------------------- sandbox
 

@@ -14,8 +14,9 @@ from rlver_lib.evaluation.benchmark import summarize
 
 
 def test_evaluate_uses_the_judge_not_the_training_simulator(tmp_path, monkeypatch):
-    from rlver_lib.evaluation.stage import evaluate, headline_markdown
+    from rlver_lib.evaluation.stage import evaluate
     from rlver_lib.params import build_config
+    from rlver_lib.pipeline.report import headline_markdown
 
     scenarios = three_scenarios()
     openings = [s.opening_line for s in scenarios]
@@ -53,8 +54,8 @@ def test_evaluate_uses_the_judge_not_the_training_simulator(tmp_path, monkeypatc
 def test_headline_shows_intervals_from_ten_scenarios_on(tmp_path):
     from rlver_lib.evaluation.benchmark import write_summary
     from rlver_lib.evaluation.paired import write_paired
-    from rlver_lib.evaluation.stage import headline_markdown
     from rlver_lib.files import write_jsonl
+    from rlver_lib.pipeline.report import headline_markdown
 
     proto = {"name": "sage", "initial_emotion": 40, "max_policy_turns": 10, "appraised_turns": 9, "repeats": 1}
     judge = {"backend": "openai", "model": "judge-7b", "base_url": "http://h/v1", "difficulty": "moderate",
@@ -81,8 +82,8 @@ def test_headline_shows_intervals_from_ten_scenarios_on(tmp_path):
 ])
 def test_headline_says_when_the_judge_is_the_training_reward(tmp_path, simulator_model, expected):
     from rlver_lib.evaluation.benchmark import write_summary
-    from rlver_lib.evaluation.stage import headline_markdown
     from rlver_lib.params import build_config, dump_config
+    from rlver_lib.pipeline.report import headline_markdown
 
     judge = {"backend": "llamacpp", "model": "embedded:qwen2.5-coder-1.5b-instruct-q4km", "base_url": None,
              "difficulty": "moderate", "appraisal": "expected", "temperature": 0.7, "seed": 0}

@@ -13,8 +13,8 @@ import nbformat
 import pytest
 
 from rlver_lib.params import load_config
+from rlver_lib.pipeline.execution import execute_notebook
 from rlver_lib.pipeline.manifest import read_manifest
-from rlver_lib.pipeline.report import execute_notebook
 from rlver_lib.pipeline.run import run_pipeline
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,8 @@ from rlver_lib.evaluation.benchmark import summarize
 
 
 def test_paired_comparison_by_scenario_and_repeat():
-    from rlver_lib.evaluation.paired import describe_paired, paired_comparison
+    from rlver_lib.evaluation.paired import paired_comparison
+    from rlver_lib.pipeline.report import describe_paired
 
     baseline = [scored("a", 0, 40), scored("a", 1, 50), scored("b", 0, 30), scored("b", 1, 20),
                 scored("c", 0, 60), scored("c", 1, 10, "error"), scored("d", 0, 45), scored("e", 0, 50)]
@@ -60,8 +61,8 @@ def test_paired_comparison_by_scenario_and_repeat():
 def test_headline_scores_subtract_to_the_paired_difference(tmp_path):
     from rlver_lib.evaluation.benchmark import write_summary
     from rlver_lib.evaluation.paired import write_paired
-    from rlver_lib.evaluation.stage import headline_markdown
     from rlver_lib.files import write_jsonl
+    from rlver_lib.pipeline.report import headline_markdown
 
     # a has two pairs, b and c one each (c's second pair errored on the trained side, last emotion 45)
     records = {"baseline": [scored("a", 0, 40), scored("a", 1, 60), scored("b", 0, 20), scored("c", 0, 10),

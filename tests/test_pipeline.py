@@ -21,6 +21,7 @@ from rlver_lib.evaluation.stage import eval_command, evaluate
 from rlver_lib.files import atomic_write_json
 from rlver_lib.params import build_config, dump_config
 from rlver_lib.pipeline.ablate import run_ablation
+from rlver_lib.pipeline.execution import NOTEBOOK_DIR
 from rlver_lib.pipeline.manifest import read_manifest, track_peak_memory
 from rlver_lib.pipeline.notebook import (
     notebook_session,
@@ -30,7 +31,7 @@ from rlver_lib.pipeline.notebook import (
     validate_scenario_sources,
     write_run_scenarios,
 )
-from rlver_lib.pipeline.report import NOTEBOOK_DIR, limits_statement, render_report, report_header
+from rlver_lib.pipeline.report import ablation_header, limits_statement, render_report, report_header
 from rlver_lib.pipeline.run import (
     FOLLOW_POLL_S,
     PipelineError,
@@ -76,7 +77,7 @@ def notebooks(tmp_path, monkeypatch):
         else:
             nb = _stand_in("from pathlib import Path\nrun = Path(run_dir)\n" + body, run_params)
         nbformat.write(nb, folder / name)
-    monkeypatch.setattr("rlver_lib.pipeline.report.NOTEBOOK_DIR", folder)
+    monkeypatch.setattr("rlver_lib.pipeline.execution.NOTEBOOK_DIR", folder)
     return folder
 
 
@@ -279,7 +280,7 @@ def test_ablation_skips_finished_cells(tmp_path, notebooks):
 
 
 def test_ablation_header_lists_what_varies_per_cell(tmp_path):
-    from rlver_lib.pipeline.ablate import ablation_header, load_grid
+    from rlver_lib.pipeline.ablate import load_grid
 
     grid = tmp_path / "grid.yaml"
     grid.write_text(yaml.safe_dump({"name": "g", "output_root": str(tmp_path / "out"),

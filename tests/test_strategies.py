@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from analysis_support import legend_labels
 
-from rlver_lib.analysis.stage import StrategyReport, describe_reliability
+from rlver_lib.analysis.stage import StrategyReport
 from rlver_lib.analysis.strategies import (
     ABSOLVES,
     ANNOTATION_FIELDS,
@@ -40,6 +40,7 @@ from rlver_lib.analysis.strategies import (
     taxonomy_table,
 )
 from rlver_lib.backends import Generation
+from rlver_lib.pipeline.report import describe_reliability
 
 
 def test_taxonomy_covers_the_paper_dimensions_and_strategy_mix():

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
@@ -70,16 +69,6 @@ def strategy_figures(annotations: pd.DataFrame) -> list[Figure]:
     return figs
 
 
-def describe_length(summary: dict[str, float] | None) -> str:
-    """Markdown reading of :func:`length_controlled_gain`'s summary."""
-    if not summary:
-        return "The length-controlled comparison needs appraised baseline and trained benchmark turns."
-    raw, within = summary["raw_gain"], summary["within_bin_gain"]
-    return (f"Trained minus baseline mean emotion change per turn: {raw:+.2f} points overall, {within:+.2f} "
-            "within reply-length bins. A within-bin gain close to the overall one means the gain is not "
-            "explained by longer replies; one near zero means it is.")
-
-
 @dataclass
 class StrategyReport:
     """What :func:`strategy_analysis` measured: the ``annotator`` (description), the
@@ -127,36 +116,6 @@ def strategy_analysis(cfg: Any, run_dir: str | Path, annotator: ChatBackend, ann
                                                                              seed=cfg.seed, **budget)
     return StrategyReport(annotator_name(annotator_cfg), annotated, agreement, validation, labelled_set_agreement(),
                           labelled_set_agreement(passes=CONSISTENCY_PASSES))
-
-
-def describe_reliability(report: StrategyReport) -> str:
-    """Markdown: how far the strategy annotator can be trusted, from its measured agreement."""
-    lines = []
-    if report.validation is not None:
-        t = report.validation["table"].set_index(["reference", "field"])
-        kappa = t.loc[("p1", "primary"), "kappa"]
-        agree = t.loc[("p1", "primary"), "agreement"]
-        kappa_b = t.loc[("b1", "primary"), "kappa"] if ("b1", "primary") in t.index else np.nan
-        strength = ("no better than chance" if not np.isfinite(kappa) or kappa < 0.2 else
-                    "weak" if kappa < 0.4 else "moderate" if kappa < 0.6 else "substantial")
-        lines.append(f"**Annotator reliability.** The strategy annotator ({report.annotator}) gives the labelled set's "
-                     f"primary label on {agree:.0%} of {report.validation['n']} real policy replies "
-                     f"(Cohen's κ {kappa:.2f} against annotator A: {strength}; κ {kappa_b:.2f} against "
-                     f"annotator B; {report.validation['n_unparsed']} unparsed). "
-                     + ("Treat its strategy mix as indicative only; configure a stronger annotator "
-                        "(`analysis.judge`) for research use." if not np.isfinite(kappa) or kappa < 0.6 else ""))
-    if report.self_agreement is not None:
-        primary = report.self_agreement.set_index("field").loc["primary"]
-        lines.append(f"Across {int(primary['pairs'])} seed pair(s) it repeats its own primary label on "
-                     f"{primary['agreement']:.0%} of {int(primary['n'])} replies.")
-    ls = report.labelled_set.set_index("field").loc["primary"]
-    line = (f"The labelled set's two independent passes (two LLM annotators, not people; see "
-            f"`strategy_labels_README.md`) agree with κ {ls['kappa']:.2f} on the primary label")
-    if report.labelled_set_consistency is not None:
-        own = report.labelled_set_consistency.set_index("field").loc["primary"]
-        line += f" (annotator A against its own second pass, a consistency check: κ {own['kappa']:.2f})"
-    lines.append(line + ".")
-    return " ".join(lines)
 
 
 def hacking_analysis(run_dir: str | Path, *, n_boot: int = 1000, confidence: float = 0.95,

@@ -227,18 +227,6 @@ def detectable_difference(n: int, discordance: float | None = None, *, alpha: fl
     return float(min(1.0, z * math.sqrt(d / n)))
 
 
-def describe_comparison(cmp: RetentionComparison, what: str) -> str:
-    """One Markdown sentence stating the paired result and what its sample can detect."""
-    d = cmp.difference
-    pct = lambda v: f"{100 * v:+.1f}"  # noqa: E731
-    return (f"{what}: base {100 * cmp.base:.1f} %, trained {100 * cmp.trained:.1f} %, "
-            f"paired difference {pct(d.mean_diff)} points [{pct(d.ci_low)}, {pct(d.ci_high)}] "
-            f"({100 * d.confidence:.0f} % bootstrap CI over {cmp.n} items; trained better on "
-            f"{d.n_positive}, worse on {d.n_negative}; exact McNemar p = {d.sign_test_p:.2f}). "
-            f"With {cmp.n} items only a change of about {100 * cmp.detectable:.0f} points or more "
-            "would be detected (80 % power, 5 % level); smaller losses or gains cannot be told from zero.")
-
-
 # --------------------------------------------------------------------------- HumanEval
 
 HUMANEVAL_PROMPT = (

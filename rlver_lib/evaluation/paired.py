@@ -16,7 +16,7 @@ import pandas as pd
 from rlver_lib.evaluation.judge import check_same_judge
 from rlver_lib.files import RunFolder, atomic_write_json
 from rlver_lib.records import dialogue_view, load_records
-from rlver_lib.stats import MIN_N, paired_difference
+from rlver_lib.stats import paired_difference
 
 # --------------------------------------------------------------------------- paired comparison
 
@@ -166,36 +166,3 @@ def write_paired(run_dir: str | Path, *, baseline: str = "baseline", trained: st
                       {"baseline": baseline, "trained": trained, "judge": summary.get("judge"),
                        "protocol": summary.get("protocol"), **comparison.to_dict()})
     return comparison
-
-
-def dropped_text(counts: dict[str, Any]) -> str:
-    n_error = counts.get("n_dropped_error")
-    n_missing = counts.get("n_dropped_missing")
-    if n_error is None or n_missing is None:  # a paired.json written before the split
-        return f"{counts.get('n_dropped', 0)} dropped (errored or missing)"
-    return f"{n_error} dropped as errored on either side, {n_missing} as missing on one side"
-
-
-def describe_paired(paired: PairedComparison) -> str:
-    """One sentence on a paired comparison (emotion points): the difference with its
-    interval and p-values (the sign-flip one named exact or Monte Carlo as computed),
-    the pairs used and dropped, and, when pairs errored, the difference with the
-    errored pairs at both bounds (:data:`ERROR_BOUND_RULE`).  The interval and
-    p-value are flagged as not evidence below :data:`rlver_lib.stats.MIN_N` scenarios."""
-    d = paired.difference
-    method = f" ({d.p_method})" if getattr(d, "p_method", "") else ""
-    counts = {"n_dropped": paired.n_dropped, "n_dropped_error": paired.n_dropped_error,
-              "n_dropped_missing": paired.n_dropped_missing}
-    text = (f"trained minus baseline: {d.mean_diff:+.1f} emotion points over {d.n_scenarios} scenario(s) "
-            f"({paired.n_pairs} pairs; {dropped_text(counts)}), {100 * d.confidence:.0f}% CI "
-            f"[{d.ci_low:+.1f}, {d.ci_high:+.1f}], sign-flip p = {d.p_value:.3g}{method}, "
-            f"sign test p = {d.sign_test_p:.3g}; {d.n_positive} scenario(s) up, {d.n_negative} down, {d.n_zero} equal")
-    if d.n_scenarios < MIN_N:
-        text += f" (n = {d.n_scenarios} < {MIN_N}: not evidence either way)"
-    if paired.errors_low is not None and paired.errors_high is not None:
-        lo, hi = paired.errors_low, paired.errors_high
-        text += (f"; with the {paired.n_dropped_error} errored pair(s) at the bounds (errored trained dialogues at 0 "
-                 f"and baseline ones at 100, then the reverse) it lies between {lo.mean_diff:+.1f} "
-                 f"[{lo.ci_low:+.1f}, {lo.ci_high:+.1f}] (p = {lo.p_value:.3g}) and {hi.mean_diff:+.1f} "
-                 f"[{hi.ci_low:+.1f}, {hi.ci_high:+.1f}] (p = {hi.p_value:.3g})")
-    return text

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -19,8 +18,9 @@ from rlver_lib.evaluation.benchmark import protocol_description
 from rlver_lib.evaluation.judge import Judge, JudgeMismatchError, check_same_judge
 from rlver_lib.files import AblationFolder, atomic_write_text, process_rank
 from rlver_lib.params import build_config, load_params
+from rlver_lib.pipeline.execution import execute_notebook
 from rlver_lib.pipeline.manifest import read_manifest
-from rlver_lib.pipeline.report import execute_notebook, limits_statement, render_report
+from rlver_lib.pipeline.report import ablation_header, render_report
 from rlver_lib.pipeline.run import PipelineError, kernel_environment, run_pipeline
 
 # --------------------------------------------------------------------------- ablations
@@ -50,9 +50,9 @@ class AblationGrid(BaseModel):
         return axes
 
 
-@dataclass(frozen=True)
-class AblationCell:
-    """One grid cell: its folder name, the axis values, and the validated config."""
+class AblationCell(NamedTuple):
+    """One grid cell: its folder name, the axis values, and the validated config (a
+    tuple, as :func:`rlver_lib.pipeline.report.ablation_header` reads it)."""
 
     name: str
     values: dict[str, Any]
@@ -160,19 +160,3 @@ def run_ablation(path: str | Path, overrides: list[str] | None = None,
             "axes": list(grid.axes),
         })
         return render_report([output], folder.report, ablation_header(grid.name, list(grid.axes), cells))
-
-
-def ablation_header(name: str, axes: list[str], cells: list[AblationCell]) -> str:
-    """Markdown header of an ablation report: the axes, one table row per cell with what
-    varies (each axis value, then algorithm and steps, think mode and simulator difficulty
-    as that cell ran them), and the shared models and limits
-    (:func:`limits_statement` with ``per_cell``)."""
-    rows = ["| cell | " + " | ".join(axes) + " | training | think | simulator |",
-            "|" + "---|" * (len(axes) + 4)]
-    for cell in cells:
-        c = cell.config
-        training = f"{c.training.algorithm.upper()}, {c.training.steps} step(s)" if "train" in c.stages else "none"
-        rows.append(f"| `{cell.name}` | " + " | ".join(str(cell.values[a]) for a in axes)
-                    + f" | {training} | {'on' if c.policy.think else 'off'} | {c.simulator.difficulty} |")
-    return "\n\n".join([f"# RLVER ablation report: `{name}`", f"Axes: {', '.join(axes)}; {len(cells)} runs.",
-                         "\n".join(rows), limits_statement(cells[0].config, per_cell=True)])

@@ -24,8 +24,9 @@ from tqdm import tqdm
 from rlver_lib.config import ConfigError, RunConfig
 from rlver_lib.files import PROJECT_ROOT, RunFolder, atomic_write_json, atomic_write_text, process_rank
 from rlver_lib.params import dump_config, upgrade_run_config
+from rlver_lib.pipeline.execution import execute_notebook
 from rlver_lib.pipeline.manifest import new_manifest, read_manifest, track_peak_memory, utc_now
-from rlver_lib.pipeline.report import execute_notebook, render_report, report_header
+from rlver_lib.pipeline.report import render_report, report_header
 
 
 class PipelineError(RuntimeError):
