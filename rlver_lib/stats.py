@@ -317,6 +317,35 @@ def row_corr(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where((na > tol) & (nb > tol), np.clip(r, -1.0, 1.0), np.nan)
 
 
+def residuals_within(v: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
+    """Residuals of ``v`` (shape (..., n)) after least squares on the indicators of
+    ``groups`` (integer codes 0..k-1, shape (n,)): ``v`` minus its mean within each group,
+    the fixed-effects partialling out; centred ``v`` when ``groups`` is ``None``."""
+    if groups is None:
+        return v - v.mean(axis=-1, keepdims=True)
+    counts = np.bincount(groups)
+    means = np.stack([np.bincount(groups, weights=row, minlength=counts.size) for row in v.reshape(-1, v.shape[-1])])
+    means = means / np.maximum(counts, 1)
+    return v - means[:, groups].reshape(v.shape)
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation of ``x`` and ``y`` (each shape (n,)): the Pearson
+    correlation of their average ranks (ties as :func:`scipy.stats.spearmanr`), in
+    [-1, 1]; NaN for fewer than 2 values or a constant sequence."""
+    from scipy.stats import rankdata
+
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    return pearson(rankdata(x), rankdata(y)) if x.size >= 2 else float("nan")
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    """Pearson's correlation of ``x`` and ``y`` (each shape (n,)), in [-1, 1]; NaN for
+    fewer than 2 values or a constant sequence (:func:`row_corr`)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    return float(row_corr(x, y)) if x.size >= 2 else float("nan")
+
+
 def partial_spearman(x: Sequence[float], y: Sequence[float], z: Sequence[float]) -> float:
     """Spearman partial correlation of ``x`` and ``y`` given ``z`` (each shape (n,)).
 

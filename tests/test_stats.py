@@ -13,9 +13,12 @@ from rlver_lib.stats import (
     cluster_bootstrap,
     cluster_bootstrap_ci,
     paired_difference,
+    pearson,
+    residuals_within,
     sign_flip_method,
     sign_flip_test,
     sign_test,
+    spearman,
 )
 
 # A fixed paired table: 8 scenarios, baseline and trained Sentient scores.
@@ -171,3 +174,26 @@ def test_bootstrap_covers_known_mean_about_95_percent():
         est = bootstrap_ci(sample, n_boot=400, seed=t)
         hits += est.low <= 10.0 <= est.high
     assert 0.88 <= hits / trials <= 0.99
+
+
+def test_spearman_and_pearson_match_scipy_and_are_nan_when_undefined():
+    from scipy.stats import pearsonr, spearmanr
+
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=30), rng.normal(size=30)
+    y[:5] = x[:5]  # some agreement
+    x[7] = x[8]  # a tie, ranked on average
+    assert spearman(x, y) == pytest.approx(spearmanr(x, y).statistic, abs=1e-12)
+    assert pearson(x, y) == pytest.approx(pearsonr(x, y).statistic, abs=1e-12)
+    for fn in (spearman, pearson):
+        assert math.isnan(fn([1.0, 1.0, 1.0], [1.0, 2.0, 3.0])) and math.isnan(fn([1.0], [2.0]))
+
+
+def test_residuals_within_removes_each_groups_mean():
+    v = np.array([[1.0, 2.0, 6.0, 10.0, 3.0], [0.0, 0.0, 1.0, 1.0, 4.0]])
+    groups = np.array([0, 0, 1, 1, 2])
+    expected = np.array([[-0.5, 0.5, -2.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])  # by hand
+    np.testing.assert_allclose(residuals_within(v, groups), expected)
+    np.testing.assert_allclose(residuals_within(v[0], groups), expected[0])
+    np.testing.assert_allclose(residuals_within(v[0], None), v[0] - v[0].mean())
+

@@ -18,7 +18,7 @@ from rlver_lib.backends import ChatBackend, derive_seed
 from rlver_lib.config import SamplingParams
 from rlver_lib.records import policy_turns, record_transcript
 from rlver_lib.rollout import parse_think, policy_messages
-from rlver_lib.stats import cluster_bootstrap, cluster_bootstrap_ci, paired_difference
+from rlver_lib.stats import cluster_bootstrap, cluster_bootstrap_ci, paired_difference, residuals_within, row_corr
 from rlver_lib.user_prompts import SimulatorRequest
 
 
@@ -146,27 +146,6 @@ def distinct_table(replies: pd.DataFrame, by: str = "source") -> pd.DataFrame:
 # --------------------------------------------------------------------------- reward hacking: statistics
 
 
-def _within(values: np.ndarray, codes: np.ndarray | None) -> np.ndarray:
-    """``values`` (n, k) minus their mean within each control level (``codes``)."""
-    if codes is None:
-        return values - values.mean(axis=0)
-    n_levels = int(codes.max()) + 1
-    sums = np.zeros((n_levels, values.shape[1]))
-    np.add.at(sums, codes, values)
-    counts = np.bincount(codes, minlength=n_levels)[:, None]
-    return values - (sums / np.maximum(counts, 1))[codes]
-
-
-def _partial_r(x: np.ndarray, y: np.ndarray, codes: np.ndarray | None) -> np.ndarray:
-    """Pearson r of each column of ``x`` with ``y`` after removing control-level means."""
-    xd = _within(x, codes)
-    yd = _within(y[:, None], codes)[:, 0]
-    num = (xd * yd[:, None]).sum(axis=0)
-    den = np.sqrt((xd ** 2).sum(axis=0) * (yd ** 2).sum())
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(den > 1e-12, num / np.where(den > 1e-12, den, 1.0), np.nan)
-
-
 def hacking_statistics(
     turns: pd.DataFrame,
     *,
@@ -187,7 +166,8 @@ def hacking_statistics(
 
     ``r``: the partial correlation with the control partialled out as fixed effects,
     i.e. Pearson's r of feature and target after subtracting each one's mean within
-    its control level (with no control, plain Pearson r).  ``low`` / ``high``: the
+    its control level (:func:`rlver_lib.stats.residuals_within`, then
+    :func:`rlver_lib.stats.row_corr`; with no control, plain Pearson r).  ``low`` / ``high``: the
     percentile interval of r over ``n_boot`` cluster-bootstrap resamples
     (:func:`rlver_lib.stats.cluster_bootstrap`: whole dialogues drawn with
     replacement, so the turns of one dialogue are not treated as independent;
@@ -209,7 +189,7 @@ def hacking_statistics(
     for j, name in enumerate(features):
         def stat(idx: np.ndarray, j: int = j) -> float:
             sub_codes = None if codes is None else pd.factorize(codes[idx])[0]
-            return float(_partial_r(x[idx][:, [j]], y[idx], sub_codes)[0])
+            return float(row_corr(residuals_within(x[idx, j], sub_codes), residuals_within(y[idx], sub_codes)))
 
         est = cluster_bootstrap(stat, len(data), list(data[cluster]), n_boot=n_boot, confidence=confidence,
                                 seed=seed)

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from rlver_lib.evaluation.reply_blind import BASELINES, file_of, first_turn_spearman
-from rlver_lib.stats import cluster_bootstrap, partial_spearman, residuals_on, row_corr
+from rlver_lib.stats import cluster_bootstrap, partial_spearman, pearson, residuals_on, row_corr, spearman
 
 #: Buckets of a real-valued emotion change: (label, low, high, low closed, high closed).
 #: Half-open where they meet, so every real number falls in exactly one:
@@ -55,22 +55,6 @@ def confusion_table(recorded: Sequence[float], ours: Sequence[float]) -> pd.Data
     return table
 
 
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    from scipy.stats import spearmanr
-
-    if x.size < 2 or np.all(x == x[0]) or np.all(y == y[0]):
-        return float("nan")
-    return float(spearmanr(x, y).statistic)
-
-
-def _pearson(x: np.ndarray, y: np.ndarray) -> float:
-    from scipy.stats import pearsonr
-
-    if x.size < 2 or np.all(x == x[0]) or np.all(y == y[0]):
-        return float("nan")
-    return float(pearsonr(x, y).statistic)
-
-
 def _sign_agreement(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.sign(x) == np.sign(y)))
 
@@ -80,7 +64,7 @@ def _mae(x: np.ndarray, y: np.ndarray) -> float:
 
 
 METRICS: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
-    "spearman": _spearman, "pearson": _pearson, "sign_agreement": _sign_agreement, "mae": _mae,
+    "spearman": spearman, "pearson": pearson, "sign_agreement": _sign_agreement, "mae": _mae,
 }
 
 
