@@ -1,5 +1,5 @@
 """Shared test fixtures: the embedded policy, a real loopback OpenAI server, a fake GGUF
-file, two fake run folders, whether a process is alive."""
+file, two fake run folders, whether a process is alive, the stand-in pipeline notebooks."""
 
 from __future__ import annotations
 
@@ -78,3 +78,14 @@ def runs(tmp_path):
 
     return [make_run(tmp_path, "ppo-think", "ppo", True, "moderate", 70.0),
             make_run(tmp_path, "grpo-nothink", "grpo", False, "hard", 50.0)]
+
+
+@pytest.fixture
+def notebooks(tmp_path, monkeypatch):
+    """The stand-in templates (tests/pipeline_support.py) in ``tmp_path/templates``, where
+    :func:`rlver_lib.pipeline.execution.execute_notebook` looks for them; returns the folder."""
+    from pipeline_support import write_stand_ins
+
+    folder = write_stand_ins(tmp_path / "templates")
+    monkeypatch.setattr("rlver_lib.pipeline.execution.NOTEBOOK_DIR", folder)
+    return folder

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from evaluation_support import ScriptedPolicy, scored, three_scenarios
+from pipeline_support import run_config
 from reference_data import reference_file
 
 from rlver_lib.evaluation.benchmark import summarize
@@ -97,3 +98,16 @@ def test_headline_says_when_the_judge_is_the_training_reward(tmp_path, simulator
         assert expected in text and "not that the replies became more empathetic" in text
     else:
         assert "training reward" not in text
+
+
+def test_evaluate_on_a_non_main_rank_loads_nothing_and_calls_no_judge(tmp_path, monkeypatch):
+    from rlver_lib.evaluation.stage import eval_command, evaluate
+
+    calls = []
+    monkeypatch.setattr("rlver_lib.evaluation.stage.Judge.from_config", lambda *a, **k: calls.append("judge"))
+    monkeypatch.setattr("rlver_lib.evaluation.stage.load_policy", lambda *a, **k: calls.append("policy"))
+    monkeypatch.setenv("RANK", "1")
+    cfg = run_config(tmp_path)
+    assert evaluate(cfg, label="baseline") is None
+    assert eval_command(cfg) == 0
+    assert calls == [] and not cfg.run_dir.exists()
