@@ -201,32 +201,47 @@ def _tiny_trl_trainer(tmp_path, loss_type):
     return trainer
 
 
-@pytest.mark.parametrize("loss_type,aggregation", [("grpo", "seq_mean"), ("bnpo", "token_mean")])
-def test_grpo_loss_equals_trl(tmp_path, loss_type, aggregation):
-    trainer = _tiny_trl_trainer(tmp_path, loss_type)
-    model = trainer.model
-    # Left-padded prompts, right-padded completions of uneven length, as TRL lays them out.
-    prompt_ids = torch.tensor([[30, 5, 6, 7], [8, 9, 10, 11]])
-    prompt_mask = (prompt_ids != 30).long()
-    completion_ids = torch.tensor([[12, 13, 31, 30], [14, 15, 16, 17]])
-    completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    rewards = torch.tensor([0.3, 0.8])
-    advantages, _ = alg.grpo_advantages(rewards, [0, 0])
-    old = torch.tensor([[-3.0, -3.5, -2.9, 0.0], [-3.2, -3.4, -3.6, -3.3]])
-    inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                  completion_mask=completion_mask, advantages=advantages, old_per_token_logps=old,
-                  num_items_in_batch=completion_mask.sum())
-    model.train()
-    trl_loss = trainer._compute_loss(model, inputs)
-    trl_grads = torch.autograd.grad(trl_loss, list(model.parameters()))
+# One batch, as TRL lays it out: left-padded prompts, right-padded completions of uneven length.
+PROMPT_IDS = torch.tensor([[30, 5, 6, 7], [8, 9, 10, 11]])
+COMPLETION_IDS = torch.tensor([[12, 13, 31, 30], [14, 15, 16, 17]])
+COMPLETION_MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+OLD_LOGPS = torch.tensor([[-3.0, -3.5, -2.9, 0.0], [-3.2, -3.4, -3.6, -3.3]])
 
-    input_ids = torch.cat([prompt_ids, completion_ids], 1)
-    attention = torch.cat([prompt_mask, completion_mask], 1)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits
-    logp = alg.token_logprobs(logits, input_ids)[:, prompt_ids.shape[1] - 1:]
-    ours = alg.clipped_policy_loss(logp, old, advantages, completion_mask, clip_eps=0.2,
+
+@pytest.fixture
+def trl_parity(tmp_path):
+    """``parity(loss_type, advantages, settings={}, **inputs) -> (trainer, trl_loss, logp)``:
+    TRL's ``_compute_loss`` on the fixed batch (:data:`PROMPT_IDS`, :data:`COMPLETION_IDS`,
+    :data:`COMPLETION_MASK`, :data:`OLD_LOGPS`) with ``advantages`` and the extra ``inputs``,
+    by a tiny GRPOTrainer of ``loss_type`` with the attributes ``settings``, and our token
+    log-probs ``[2, 4]`` of the completions from a second forward pass of the same model
+    (train mode); both keep their graphs, for gradients."""
+    def parity(loss_type, advantages, settings=None, **inputs):
+        trainer = _tiny_trl_trainer(tmp_path, loss_type)
+        for name, value in (settings or {}).items():
+            setattr(trainer, name, value)
+        model = trainer.model
+        prompt_mask = (PROMPT_IDS != 30).long()
+        batch = dict(prompt_ids=PROMPT_IDS, prompt_mask=prompt_mask, completion_ids=COMPLETION_IDS,
+                     completion_mask=COMPLETION_MASK, advantages=advantages, old_per_token_logps=OLD_LOGPS,
+                     num_items_in_batch=COMPLETION_MASK.sum(), **inputs)
+        model.train()
+        trl_loss = trainer._compute_loss(model, batch)
+        input_ids = torch.cat([PROMPT_IDS, COMPLETION_IDS], 1)
+        logits = model(input_ids=input_ids, attention_mask=torch.cat([prompt_mask, COMPLETION_MASK], 1)).logits
+        return trainer, trl_loss, alg.token_logprobs(logits, input_ids)[:, PROMPT_IDS.shape[1] - 1:]
+
+    return parity
+
+
+@pytest.mark.parametrize("loss_type,aggregation", [("grpo", "seq_mean"), ("bnpo", "token_mean")])
+def test_grpo_loss_equals_trl(trl_parity, loss_type, aggregation):
+    advantages, _ = alg.grpo_advantages(torch.tensor([0.3, 0.8]), [0, 0])
+    trainer, trl_loss, logp = trl_parity(loss_type, advantages)
+    trl_grads = torch.autograd.grad(trl_loss, list(trainer.model.parameters()))
+    ours = alg.clipped_policy_loss(logp, OLD_LOGPS, advantages, COMPLETION_MASK, clip_eps=0.2,
                                    aggregation=aggregation).loss
-    our_grads = torch.autograd.grad(ours, list(model.parameters()))
+    our_grads = torch.autograd.grad(ours, list(trainer.model.parameters()))
     assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-6)
     for g_ours, g_trl in zip(our_grads, trl_grads):
         torch.testing.assert_close(g_ours, g_trl, rtol=1e-4, atol=1e-6)
@@ -234,28 +249,14 @@ def test_grpo_loss_equals_trl(tmp_path, loss_type, aggregation):
 
 # ---------------------------------------------------------------- Dr. GRPO: a constant normaliser
 
-def test_dr_grpo_loss_equals_trl(tmp_path):
-    trainer = _tiny_trl_trainer(tmp_path, "dr_grpo")
-    model = trainer.model
-    prompt_ids = torch.tensor([[30, 5, 6, 7], [8, 9, 10, 11]])
-    prompt_mask = (prompt_ids != 30).long()
-    completion_ids = torch.tensor([[12, 13, 31, 30], [14, 15, 16, 17]])
-    completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+def test_dr_grpo_loss_equals_trl(trl_parity):
     advantages, _ = alg.grpo_advantages(torch.tensor([0.3, 0.8]), [0, 0], scale_rewards=False)
-    old = torch.tensor([[-3.0, -3.5, -2.9, 0.0], [-3.2, -3.4, -3.6, -3.3]])
-    inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                  completion_mask=completion_mask, advantages=advantages, old_per_token_logps=old,
-                  num_items_in_batch=completion_mask.sum())
-    model.train()
-    trl_loss = trainer._compute_loss(model, inputs)
-    input_ids = torch.cat([prompt_ids, completion_ids], 1)
-    logits = model(input_ids=input_ids, attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits
-    logp = alg.token_logprobs(logits, input_ids)[:, prompt_ids.shape[1] - 1:]
-    ours = alg.clipped_policy_loss(logp, old, advantages, completion_mask, aggregation="dr_grpo",
+    trainer, trl_loss, logp = trl_parity("dr_grpo", advantages)
+    ours = alg.clipped_policy_loss(logp, OLD_LOGPS, advantages, COMPLETION_MASK, aggregation="dr_grpo",
                                    max_tokens=trainer.max_completion_length).loss
     assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-7)
     # the normaliser is rows x budget (2 x 4), not the 7 real tokens
-    token_mean = alg.clipped_policy_loss(logp, old, advantages, completion_mask, aggregation="token_mean").loss
+    token_mean = alg.clipped_policy_loss(logp, OLD_LOGPS, advantages, COMPLETION_MASK, aggregation="token_mean").loss
     assert ours.item() == pytest.approx(token_mean.item() * 7 / 8, rel=1e-5)
 
 
@@ -414,32 +415,18 @@ def test_is_weights_scale_the_per_token_policy_loss():
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, 0.25]]))
 
 
-def test_is_weighted_policy_loss_equals_trls(tmp_path):
+def test_is_weighted_policy_loss_equals_trls(trl_parity):
     """Our clipped loss with IS weights against TRL's ``_compute_loss`` fed TRL's own ratio."""
     pytest.importorskip("trl")
-    trainer = _tiny_trl_trainer(tmp_path, "bnpo")
-    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
-    model = trainer.model
-    prompt_ids = torch.tensor([[30, 5, 6, 7], [8, 9, 10, 11]])
-    prompt_mask = (prompt_ids != 30).long()
-    completion_ids = torch.tensor([[12, 13, 31, 30], [14, 15, 16, 17]])
-    completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     advantages, _ = alg.grpo_advantages(torch.tensor([0.3, 0.8]), [0, 0])
-    old = torch.tensor([[-3.0, -3.5, -2.9, 0.0], [-3.2, -3.4, -3.6, -3.3]])
-    sampling = old + torch.tensor([[0.4, -1.5, float("nan"), 0.0], [-0.2, 0.1, 2.0, -0.3]])
-    ratio = _trl_is_ratio(old, sampling, completion_mask.float(), 3.0)
-    inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                  completion_mask=completion_mask, advantages=advantages, old_per_token_logps=old,
-                  importance_sampling_ratio=ratio, num_items_in_batch=completion_mask.sum())
-    model.train()
-    trl_loss = trainer._compute_loss(model, inputs)
-    input_ids = torch.cat([prompt_ids, completion_ids], 1)
-    logits = model(input_ids=input_ids, attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits
-    logp = alg.token_logprobs(logits, input_ids)[:, prompt_ids.shape[1] - 1:]
-    weights = alg.truncated_is_weights(old, sampling, completion_mask, cap=3.0)
-    ours = alg.clipped_policy_loss(logp, old, advantages, completion_mask, is_weights=weights).loss
+    sampling = OLD_LOGPS + torch.tensor([[0.4, -1.5, float("nan"), 0.0], [-0.2, 0.1, 2.0, -0.3]])
+    ratio = _trl_is_ratio(OLD_LOGPS, sampling, COMPLETION_MASK.float(), 3.0)
+    _, trl_loss, logp = trl_parity("bnpo", advantages, {"use_vllm": True, "vllm_importance_sampling_correction": True},
+                                   importance_sampling_ratio=ratio)
+    weights = alg.truncated_is_weights(OLD_LOGPS, sampling, COMPLETION_MASK, cap=3.0)
+    ours = alg.clipped_policy_loss(logp, OLD_LOGPS, advantages, COMPLETION_MASK, is_weights=weights).loss
     assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-5, abs=1e-6)
-    unweighted = alg.clipped_policy_loss(logp, old, advantages, completion_mask).loss
+    unweighted = alg.clipped_policy_loss(logp, OLD_LOGPS, advantages, COMPLETION_MASK).loss
     assert abs(unweighted.item() - trl_loss.item()) > 1e-3  # the weights matter here
 
 
