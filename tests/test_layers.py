@@ -1,5 +1,7 @@
 """One-way layers: the package-internal import graph of ``rlver_lib`` has no cycle, and
-every import points down the layer order of docs/ARCHITECTURE.md ("Code map").
+every import points down the layer order of docs/ARCHITECTURE.md ("Code map"). Tests
+mirror modules: each module has its own test file (:data:`TESTED_WITH` names the few
+that do not, and why).
 
 Imports are read with ``ast`` from the source, including those inside functions and
 under ``TYPE_CHECKING``: a cycle hidden in a function body is still a cycle.
@@ -27,6 +29,18 @@ LAYERS: list[tuple[str, set[str]]] = [
 
 MAX_FLOORS = 9
 """The longest chain of imports, counting a folder as one room (12 before the folders)."""
+
+TESTED_WITH: dict[str, tuple[str, str]] = {
+    "algorithm_objects": ("test_algorithms.py", "the algorithm objects beside the maths they call"),
+    "learner": ("test_trainer.py", "the learner's shared path runs inside a training step"),
+    "openai_backend": ("test_backends.py", "every chat backend against one loopback server"),
+    "servers": ("test_native.py", "a server's life-cycle with the engine it starts"),
+    "vllm_server": ("test_vllm_serve.py", "named after the command it serves"),
+    "user_prompts": ("test_simulator.py", "the prompts through the simulator that sends them"),
+    "evaluation.agreement_stats": ("test_agreement.py", "the statistics of one command's result"),
+}
+"""Modules tested in another module's file: ``{module: (test file, why)}``; every other
+module ``a`` or ``folder.a`` has ``tests/test_a.py`` or ``tests/test_folder_a.py``."""
 
 
 def module_names(package_dir: Path = PACKAGE) -> dict[str, Path]:
@@ -214,3 +228,22 @@ def test_imports_point_down_the_layers():
 def test_floors_fewer_than_before_the_folders():
     graph = import_graph()
     assert floors(folder_graph(graph)) <= MAX_FLOORS, "a longer import chain: flatten it or raise MAX_FLOORS"
+
+
+def own_test_files(module: str) -> list[str]:
+    """The names a module's own test file may have: ``test_<module>.py`` and, for
+    ``folder.module``, ``test_<folder>_<module>.py``."""
+    parts = module.split(".")
+    return [f"test_{parts[-1]}.py", f"test_{'_'.join(parts)}.py"]
+
+
+def test_every_module_has_its_test_file():
+    tests = Path(__file__).resolve().parent
+    modules = [m for m, path in module_names().items() if path.name != "__init__.py"]
+    missing = sorted(m for m in modules if m not in TESTED_WITH
+                     and not any((tests / name).is_file() for name in own_test_files(m)))
+    assert missing == [], f"modules without tests/test_<module>.py (add one, or a TESTED_WITH entry): {missing}"
+    stale = sorted(m for m, (name, _) in TESTED_WITH.items() if m not in modules or not (tests / name).is_file()
+                   or any((tests / own).is_file() for own in own_test_files(m)))
+    assert stale == [], f"TESTED_WITH entries no longer true: {stale}"
+
