@@ -9,7 +9,13 @@ from pipeline_support import run_config
 
 from rlver_lib.params import build_config
 from rlver_lib.pipeline.execution import NOTEBOOK_DIR
-from rlver_lib.pipeline.report import ablation_header, limits_statement, render_report, report_header
+from rlver_lib.pipeline.report import (
+    ablation_header,
+    limits_statement,
+    render_report,
+    report_header,
+    training_statement,
+)
 
 
 def test_report_titles_the_baseline_and_trained_evaluation_apart(tmp_path):
@@ -81,3 +87,9 @@ def test_limits_statement_names_models_and_limits_only_for_small_models():
                         "simulator": {"backend": "openai", "base_url": "http://h/v1", "model": "sim"}})
     text = limits_statement(big)
     assert "Qwen/Qwen2.5-7B-Instruct" in text and "cannot" not in text and "Training: GRPO" in text
+
+
+def test_training_statement_names_the_algorithm_by_its_object():
+    cfg = build_config({}, ["training.algorithm=ppo", "training.group_size=2", "training.steps=3"])
+    text = training_statement(cfg, 5)
+    assert text.startswith("**PPO**, 3 steps × ") and "× 2 rollouts on 5 training scenarios" in text
