@@ -234,12 +234,13 @@ class SimulatorConfig(UserModelConfig):
 class ScenarioConfig(_Strict):
     """Where scenarios come from: ``builtin:train`` / ``builtin:test`` (the shipped
     English set, persona-disjoint split) or a path to a JSONL/YAML file in our
-    format or the RLVER/SAGE profile format."""
+    format or the RLVER/SAGE profile format. ``n_train_scenarios`` / ``n_test_scenarios``:
+    the first that many of each split (``None``: all)."""
 
     train: str = "builtin:train"
     test: str = "builtin:test"
-    limit_train: int | None = Field(None, ge=1)
-    limit_test: int | None = Field(None, ge=1)
+    n_train_scenarios: int | None = Field(None, ge=1)
+    n_test_scenarios: int | None = Field(None, ge=1)
 
 
 class RolloutConfig(_Strict):
@@ -351,7 +352,9 @@ class EvaluationConfig(_Strict):
     reproduces SAGE's stored runs (start 40, 10 policy replies of which only the
     first 9 are appraised; use SAGE's 100 test profiles as ``scenarios.test`` for
     leaderboard parity).  ``repeats``: dialogues per scenario, each repeat with its
-    own seed; intervals resample scenarios, not dialogues.
+    own seed; intervals resample scenarios, not dialogues.  ``n_boot``: bootstrap
+    resamples of every interval of the run (the benchmark's, the analysis', capability
+    retention's), the name the statistics functions take (``rlver_lib.stats``).
     """
 
     initial_emotion: int = Field(40, ge=0, le=100)
@@ -359,7 +362,7 @@ class EvaluationConfig(_Strict):
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     protocol: Literal["full", "sage"] = "full"
     repeats: int = Field(1, ge=1)
-    bootstrap_samples: int = Field(1000, ge=10)
+    n_boot: int = Field(1000, ge=10)
     confidence: float = Field(0.95, gt=0, lt=1)
 
     @model_validator(mode="after")
@@ -373,7 +376,7 @@ class EvaluationConfig(_Strict):
 
 
 class AnnotatorConfig(EndpointConfig):
-    """The strategy annotator (``analysis.judge``): the model that labels policy replies
+    """The strategy annotator (``analysis.annotator``): the model that labels policy replies
     with the strategy taxonomy (``rlver_lib.analysis.strategies.TAXONOMY``), an
     :class:`EndpointConfig` (no simulated user's settings), greedy by default. ``rule``
     is the deterministic lexical labeller (``analysis.RuleAnnotator``): plumbing and
@@ -386,36 +389,37 @@ class AnnotatorConfig(EndpointConfig):
 class AnalysisConfig(_Strict):
     """The analysis stage (notebook 06; RLVER §5's strategy and reward-hacking questions).
 
-    ``judge``: the strategy annotator (:class:`AnnotatorConfig`); ``None`` uses the
-    backend and model of ``evaluation.judge``, greedy.  ``judge_sample``: replies
-    labelled per source (baseline, each training step, trained).
-    ``self_agreement_sample``: replies labelled again under ``judge_seeds`` seeds.
-    ``judge_validation_n``: items of the shipped labelled set the judge is
-    scored on (``None``: all, 0: skip).  ``hacking_probes``: injection probes against
-    ``evaluation.judge`` on ``probe_scenarios`` test scenarios (``None``: every one).
-    ``sycophancy_samples``: policy replies per at-fault scenario, for base and trained.
-    ``consistency_sample``: recorded turns re-appraised by the judge (0 skips).
+    Each part is switched off by its count at 0 (docs/ARCHITECTURE.md "Config conventions").
+    ``annotator``: the strategy annotator (:class:`AnnotatorConfig`); ``None`` uses the
+    backend and model of ``evaluation.judge``, greedy.  ``n_annotated_replies``: replies
+    labelled per source (baseline, each training step, trained; 0: no strategy analysis).
+    ``n_self_agreement_replies``: the first that many labelled again, each
+    ``n_self_agreement_runs`` times under its own seed.  ``n_annotator_validation_items``:
+    items of the shipped labelled set the annotator is scored on (``None``: all).
+    ``n_probe_scenarios``: test scenarios of the injection probes against
+    ``evaluation.judge`` (``None``: every one).  ``n_sycophancy_replies``: policy replies per
+    at-fault scenario, for base and trained, labelled by the annotator.
+    ``n_consistency_turns``: recorded turns re-appraised by the judge.
     """
 
-    strategy_judge: bool = True
-    judge: AnnotatorConfig | None = None
-    judge_sample: int = Field(32, ge=1)
-    judge_seeds: int = Field(2, ge=2)
-    self_agreement_sample: int = Field(8, ge=0)
-    judge_validation_n: int | None = Field(None, ge=0)
-    consistency_sample: int = Field(8, ge=0)
-    hacking_probes: bool = True
-    probe_scenarios: int | None = Field(None, ge=1)
-    sycophancy_samples: int = Field(2, ge=0)
+    annotator: AnnotatorConfig | None = None
+    n_annotated_replies: int = Field(32, ge=0)
+    n_self_agreement_replies: int = Field(8, ge=0)
+    n_self_agreement_runs: int = Field(2, ge=2)
+    n_annotator_validation_items: int | None = Field(None, ge=0)
+    n_probe_scenarios: int | None = Field(None, ge=0)
+    n_sycophancy_replies: int = Field(2, ge=0)
+    n_consistency_turns: int = Field(8, ge=0)
 
 
 class LmEvalConfig(_Strict):
     """EleutherAI ``lm-eval`` on base and trained policy (needs a model hub; the
-    ``harness`` extra). ``tasks``: harness task names; ``limit``: items per task
-    (``None``: all); ``apply_chat_template`` for instruct models."""
+    ``harness`` extra). ``tasks``: harness task names (none, the default: not run; the
+    paper recipes run ``gsm8k``, ``minerva_math500`` and ``humaneval_instruct``);
+    ``limit``, ``batch_size`` and ``apply_chat_template`` are the harness's own options
+    (``limit``: items per task, ``None``: all)."""
 
-    enabled: bool = False
-    tasks: list[str] = Field(default_factory=lambda: ["gsm8k", "minerva_math500", "humaneval_instruct"])
+    tasks: list[str] = Field(default_factory=list)
     limit: int | None = Field(None, ge=1)
     batch_size: int | str = "auto"
     apply_chat_template: bool = True
@@ -424,16 +428,15 @@ class LmEvalConfig(_Strict):
 class CapabilityConfig(_Strict):
     """Capability retention (RLVER §5: maths and code skill kept), ``rlver_lib.evaluation.capability``.
 
-    Offline: HumanEval pass@1 on ``humaneval_n`` seeded problems (0 skips), each program
-    run with ``timeout_s`` seconds and ``memory_mb`` MiB and no network; maths on the
-    first ``math_n`` shipped items (0 skips), checked with math-verify.  ``lm_eval``: the
-    harness path for GPU users with a model hub.
+    Offline: HumanEval pass@1 on ``n_humaneval_problems`` seeded problems (0: not run),
+    each program run with ``timeout_s`` seconds and ``memory_mb`` MiB and no network;
+    maths on the first ``n_math_items`` shipped items (0: not run), checked with
+    math-verify.  ``lm_eval``: the harness path for GPU users with a model hub.
     """
 
-    enabled: bool = True
-    humaneval_n: int = Field(20, ge=0)
+    n_humaneval_problems: int = Field(20, ge=0)
     humaneval_max_new_tokens: int = Field(384, ge=16)
-    math_n: int = Field(42, ge=0)
+    n_math_items: int = Field(42, ge=0)
     math_max_new_tokens: int = Field(256, ge=16)
     timeout_s: float = Field(5.0, gt=0)
     memory_mb: int = Field(512, ge=64)

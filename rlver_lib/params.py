@@ -11,15 +11,16 @@ Errors: :func:`load_config` raises :class:`~rlver_lib.config.ConfigError` naming
 and the offending key (for example ``params/x.yaml: training.stepz: unknown key 'stepz'
 in training (did you mean steps?); valid keys: ...``), or the override that caused it
 (``--set training.stepz=4: unknown key 'stepz' in training ...``); a removed key names
-what replaced it (:data:`REMOVED_KEYS`), a never-used one why (:data:`UNUSED_KEYS`).
+what replaced it (:data:`RETIRED_KEYS`), a never-used one why (:data:`UNUSED_KEYS`).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Callable, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -49,37 +50,81 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(raw) if raw.strip() else None
 
 
-MOVED_KEYS: dict[str, str] = {
-    f"training.{name}": f"training.ppo.{name}"
-    for name in ("value_learning_rate", "value_clip_eps", "vf_coef", "gamma", "lam", "whiten_advantages")}
-"""Keys that moved to another section, ``{old: new}``: a params file or override that
-sets the old key is refused, naming the new one; :func:`upgrade_run_config` moves them
-in a run folder's saved ``config.yaml`` (runs written before the ``training.ppo``
-section, December 2026), so the run reads as it ran."""
+@dataclass(frozen=True)
+class Retired:
+    """One entry of :data:`RETIRED_KEYS`: ``use``, what a params file that sets the key is
+    told to write instead; ``read``, the value an old run folder saved as the current
+    keys it means (``{dotted key: value}``; empty: nothing to set)."""
 
-REMOVED_KEYS = {"evaluation.n_scenarios": "scenarios.limit_test", **MOVED_KEYS}
-"""Keys a params file may still carry from an older version: ``{old: the key that replaced it}``."""
+    use: str
+    read: Callable[[Any], dict[str, Any]]
+
+
+def _renamed(new: str) -> Retired:
+    """A key (or a whole section) now called ``new``: its value moves there."""
+    return Retired(f"use {new}", lambda value: {new: value})
+
+
+def _off_switch(off: dict[str, Any]) -> Retired:
+    """A bool that switched a part off, retired for the part's counts (docs/ARCHITECTURE.md
+    "Config conventions"): ``false`` reads as the values ``off`` (counts at 0, no tasks),
+    ``true`` as nothing (the counts keep theirs)."""
+    spelled = " and ".join(f"{key}: {json.dumps(value)}" for key, value in off.items())
+    return Retired(f"{spelled} switches the part off", lambda on: {} if on else dict(off))
+
+
+RETIRED_KEYS: dict[str, Retired] = {
+    "evaluation.n_scenarios": _renamed("scenarios.n_test_scenarios"),
+    **{f"training.{name}": _renamed(f"training.ppo.{name}")
+       for name in ("value_learning_rate", "value_clip_eps", "vf_coef", "gamma", "lam", "whiten_advantages")},
+    "scenarios.limit_train": _renamed("scenarios.n_train_scenarios"),
+    "scenarios.limit_test": _renamed("scenarios.n_test_scenarios"),
+    "evaluation.bootstrap_samples": _renamed("evaluation.n_boot"),
+    "analysis.judge": _renamed("analysis.annotator"),
+    "analysis.judge_sample": _renamed("analysis.n_annotated_replies"),
+    "analysis.self_agreement_sample": _renamed("analysis.n_self_agreement_replies"),
+    "analysis.judge_seeds": _renamed("analysis.n_self_agreement_runs"),
+    "analysis.judge_validation_n": _renamed("analysis.n_annotator_validation_items"),
+    "analysis.probe_scenarios": _renamed("analysis.n_probe_scenarios"),
+    "analysis.sycophancy_samples": _renamed("analysis.n_sycophancy_replies"),
+    "analysis.consistency_sample": _renamed("analysis.n_consistency_turns"),
+    "capability.humaneval_n": _renamed("capability.n_humaneval_problems"),
+    "capability.math_n": _renamed("capability.n_math_items"),
+    # the off-switches last: an old run's false wins over the count it saved beside it
+    "analysis.strategy_judge": _off_switch({"analysis.n_annotated_replies": 0, "analysis.n_sycophancy_replies": 0}),
+    "analysis.hacking_probes": _off_switch({"analysis.n_probe_scenarios": 0}),
+    "capability.enabled": _off_switch({"capability.n_humaneval_problems": 0, "capability.n_math_items": 0,
+                                       "capability.lm_eval.tasks": []}),
+    "capability.lm_eval.enabled": _off_switch({"capability.lm_eval.tasks": []}),
+}
+"""The one migration table: every key retired since 2 December 2026, ``{old dotted key:
+what replaced it}`` (docs/ARCHITECTURE.md "Config conventions"). A params file or
+override that sets one is refused, naming what to write instead; a run folder's saved
+``config.yaml`` written since that date is read through it, entry by entry in this
+order (:func:`upgrade_run_config`), so the run reads as it ran. Run folders written
+before it are refused, naming the first key they hold that this version does not know."""
 
 UNUSED_KEYS: dict[str, str] = {
     "evaluation.judge.initial_emotion": "the judge never used it: the benchmark starts at evaluation.initial_emotion",
-    "analysis.judge.initial_emotion": "the strategy annotator never used it: dialogues start at "
-                                      "simulator.initial_emotion (training) and evaluation.initial_emotion "
-                                      "(the benchmark)",
-    **{f"analysis.judge.{name}": "the strategy annotator never used it: it is a simulated user's setting, "
-                                 "of simulator and evaluation.judge"
+    "analysis.annotator.initial_emotion": "the strategy annotator never used it: dialogues start at "
+                                          "simulator.initial_emotion (training) and evaluation.initial_emotion "
+                                          "(the benchmark)",
+    **{f"analysis.annotator.{name}": "the strategy annotator never used it: it is a simulated user's setting, "
+                                     "of simulator and evaluation.judge"
        for name in UserModelConfig.model_fields if name not in AnnotatorConfig.model_fields},
 }
 """Keys that earlier versions accepted, and wrote into every run's ``config.yaml``, but
 never used (the judge and the strategy annotator were whole simulator configs then):
-``{key: why}``.  A params file or override that sets one is refused with the reason;
-:func:`load_run_config` drops them from an old run's ``config.yaml``."""
+``{key: why}``, under the keys' current names (:data:`RETIRED_KEYS` renames first).  A
+params file or override that sets one is refused with the reason; :func:`load_run_config`
+drops them from an old run's ``config.yaml``."""
 
 
 def _key_note(loc: str) -> str:
-    """`` (removed: use <key>)`` for a :data:`REMOVED_KEYS` key, `` (<why>)`` for an
+    """`` (removed: use <key>)`` for a :data:`RETIRED_KEYS` key, `` (<why>)`` for an
     :data:`UNUSED_KEYS` one, else empty."""
-    if loc in REMOVED_KEYS:
-        return f" (removed: use {REMOVED_KEYS[loc]})"
+    if loc in RETIRED_KEYS:
+        return f" (removed: {RETIRED_KEYS[loc].use})"
     if loc in UNUSED_KEYS:
         return f" ({UNUSED_KEYS[loc]})"
     return ""
@@ -246,14 +291,15 @@ def _parent(data: dict[str, Any], key: str) -> tuple[dict[str, Any] | None, str]
 
 
 def upgrade_run_config(data: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a run's config mapping with the :data:`MOVED_KEYS` in their new sections,
-    without the :data:`UNUSED_KEYS` (``analysis.judge`` may be ``None``) and with the
-    :data:`RENAMED_STAGES` renamed; a current mapping comes back equal."""
+    """A copy of a run's config mapping with the :data:`RETIRED_KEYS` read as their current
+    keys, without the :data:`UNUSED_KEYS` (``analysis.annotator`` may be ``None``) and with
+    the :data:`RENAMED_STAGES` renamed; a current mapping comes back equal."""
     data = json.loads(json.dumps(data))
-    for old, new in MOVED_KEYS.items():
+    for old, retired in RETIRED_KEYS.items():
         node, name = _parent(data, old)
-        if node is not None and name in node:  # written before the new key existed
-            _set_dotted(data, new, node.pop(name))
+        if node is not None and name in node:  # written before the key was retired
+            for key, value in retired.read(node.pop(name)).items():
+                _set_dotted(data, key, value)
     if isinstance(data.get("stages"), list):
         data["stages"] = [RENAMED_STAGES.get(name, name) for name in data["stages"]]
     for key in UNUSED_KEYS:
@@ -267,12 +313,14 @@ def load_run_config(
     path: str | Path, overrides: dict[str, Any] | list[str] | None = None
 ) -> RunConfig:
     """A run folder's saved ``config.yaml``, read as :func:`load_config` reads a params
-    file but without the :data:`UNUSED_KEYS`: versions before the judge and the strategy
-    judge got configs of their own wrote ``evaluation.judge.initial_emotion`` (and, with
-    an ``analysis.judge``, its ``difficulty``, ``initial_emotion`` and appraisal settings)
-    into every run's config; they never had an effect, so the run reads as it ran. Old
-    stage names are read as their new ones (:data:`RENAMED_STAGES`).
-    Raises :class:`ConfigError`."""
+    file but through :func:`upgrade_run_config`: retired keys as the keys that replaced
+    them (:data:`RETIRED_KEYS`), old stage names as their new ones
+    (:data:`RENAMED_STAGES`), and without the :data:`UNUSED_KEYS`: versions before the
+    judge and the strategy annotator got configs of their own wrote
+    ``evaluation.judge.initial_emotion`` (and, with an annotator, its ``difficulty``,
+    ``initial_emotion`` and appraisal settings) into every run's config; they never had
+    an effect, so the run reads as it ran. Raises :class:`ConfigError` (a folder older
+    than the table's cut-off: the key it does not know)."""
     return build_config(upgrade_run_config(load_params(path)), overrides, source=str(path))
 
 

@@ -31,7 +31,7 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from rlver_lib.backends import ChatBackend, structured_batch
-from rlver_lib.config import SamplingParams
+from rlver_lib.config import SamplingParams, ScenarioConfig
 from rlver_lib.files import JsonlError, iter_jsonl
 
 log = logging.getLogger(__name__)
@@ -669,16 +669,16 @@ class RunSplit:
     dropped: list[Scenario]
 
 
-def split_for_run(train: Sequence[Scenario], test: Sequence[Scenario], section: Any,
+def split_for_run(train: Sequence[Scenario], test: Sequence[Scenario], section: ScenarioConfig,
                   *, seed: int = 0) -> RunSplit:
     """The persona-disjoint train/test sets of a run (what the scenarios stage writes).
 
     ``section`` is the run's ``scenarios`` config (:class:`rlver_lib.config.ScenarioConfig`:
-    ``train``, ``test``, ``limit_train``, ``limit_test``). When ``section.train ==
+    ``train``, ``test``, ``n_train_scenarios``, ``n_test_scenarios``). When ``section.train ==
     section.test`` (one source), ``train`` is split by persona with
     :func:`persona_disjoint_split` (``seed``) and ``test`` is not used; otherwise every
     training scenario whose persona is in ``test`` is dropped (the public RLVER/SAGE sets
-    share 54 of their 100 test personas with training). The limits apply last. Input
+    share 54 of their 100 test personas with training). The counts apply last. Input
     order is kept. Raises ``ValueError`` as :func:`persona_disjoint_split` does.
     """
     if section.train == section.test:
@@ -686,4 +686,4 @@ def split_for_run(train: Sequence[Scenario], test: Sequence[Scenario], section: 
     test_personas = {s.persona_key for s in test}
     kept = [s for s in train if s.persona_key not in test_personas]
     dropped = [s for s in train if s.persona_key in test_personas]
-    return RunSplit(kept[: section.limit_train], list(test)[: section.limit_test], dropped)
+    return RunSplit(kept[: section.n_train_scenarios], list(test)[: section.n_test_scenarios], dropped)

@@ -93,6 +93,6 @@ def test_strategy_figures_compare_the_benchmarks_and_follow_the_steps():
 
 def test_consistency_and_sycophancy_have_nothing_to_do_with_a_zero_sample(run):
     cfg = build_config({"simulator": {"backend": "rule"},
-                        "analysis": {"consistency_sample": 0, "sycophancy_samples": 0}})
+                        "analysis": {"n_consistency_turns": 0, "n_sycophancy_replies": 0}})
     assert consistency_analysis(cfg, run) is None
     assert sycophancy_analysis(cfg, run, annotator=None, annotator_cfg=None) is None

@@ -63,7 +63,7 @@ def test_run_benchmark_with_rule_simulator(tmp_path):
     scenarios = rlver_test_profiles(3)
     modes = dict(zip([s.opening_line for s in scenarios], ["ask", "tell", "alternate"]))
     result = run_benchmark(ScriptedPolicy(modes), RuleSimulator(), scenarios,
-                           EvaluationConfig(bootstrap_samples=50), sampling=SamplingParams(),
+                           EvaluationConfig(n_boot=50), sampling=SamplingParams(),
                            think=False, seed=0, out_dir=tmp_path, label="scripted")
     # rule: +10 for a question, -5 otherwise, from 40, at most 10 turns
     finals = [r["final_emotion"] for r in result.records]
@@ -87,7 +87,7 @@ def test_sage_protocol_appraises_nine_of_ten_replies(tmp_path):
 
     scenarios = three_scenarios()
     modes = dict(zip([s.opening_line for s in scenarios], ["ask", "tell", "alternate"]))
-    cfg = EvaluationConfig(bootstrap_samples=50, protocol="sage")
+    cfg = EvaluationConfig(n_boot=50, protocol="sage")
     result = run_benchmark(ScriptedPolicy(modes), RuleSimulator(), scenarios, cfg, sampling=SamplingParams(),
                            think=False, seed=0, out_dir=tmp_path, label="sage", progress=False)
     # alternate: +10, -5, +10, ... over 9 appraised replies from 40 -> 70 (full protocol: 65);
@@ -115,7 +115,7 @@ def test_repeats_have_their_own_ids_and_seeds_and_intervals_resample_scenarios(t
 
     scenarios = three_scenarios()
     modes = dict(zip([s.opening_line for s in scenarios], ["ask", "tell", "alternate"]))
-    cfg = EvaluationConfig(bootstrap_samples=200, repeats=2, max_turns=3)
+    cfg = EvaluationConfig(n_boot=200, repeats=2, max_turns=3)
     result = run_benchmark(ScriptedPolicy(modes), RuleSimulator(), scenarios, cfg, sampling=SamplingParams(),
                            think=False, seed=5, out_dir=tmp_path, label="r", progress=False)
     ids = [r["dialogue_id"] for r in result.records]
@@ -170,7 +170,7 @@ def test_benchmark_counts_character_breaks_and_headline_shows_them(tmp_path):
 
     modes = dict.fromkeys([s.opening_line for s in scenarios], "tell")  # "I see." -> -5 a turn: 35, 30, 25
     run_benchmark(ScriptedPolicy(modes), RuleSimulator(reply_fn=reply), scenarios,
-                  EvaluationConfig(bootstrap_samples=20, max_turns=5), sampling=SamplingParams(), think=False,
+                  EvaluationConfig(n_boot=20, max_turns=5), sampling=SamplingParams(), think=False,
                   seed=0, out_dir=tmp_path / "eval" / "baseline", label="baseline")
     summary = json.loads((tmp_path / "eval" / "baseline" / "summary.json").read_text())
     # per dialogue: the opening + 3 messages; 2 assistant-voice lines, 1 repeat, 1 mid-range goodbye

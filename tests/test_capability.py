@@ -195,8 +195,8 @@ def test_compare_scores_hand_computed():
 
 
 def test_retention_round_trip(tmp_path):
-    cfg = SimpleNamespace(humaneval_n=2, humaneval_max_new_tokens=32, timeout_s=5.0, memory_mb=512,
-                          math_n=2, math_max_new_tokens=16)
+    cfg = SimpleNamespace(n_humaneval_problems=2, humaneval_max_new_tokens=32, timeout_s=5.0, memory_mb=512,
+                          n_math_items=2, math_max_new_tokens=16)
     problems = load_humaneval(2, seed=0)
     items = load_math_items(n=2)
 

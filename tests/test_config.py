@@ -30,7 +30,7 @@ def test_get_dotted_names_the_missing_key():
 
 
 def test_a_removed_key_names_the_key_that_replaced_it():
-    with pytest.raises(ConfigError, match=r"evaluation\.n_scenarios: .*\(removed: use scenarios\.limit_test\)"):
+    with pytest.raises(ConfigError, match=r"evaluation\.n_scenarios: .*\(removed: use scenarios\.n_test_scenarios\)"):
         build_config({"evaluation": {"n_scenarios": 3}})
 
 
@@ -46,11 +46,11 @@ def test_an_unknown_override_key_names_the_override_and_the_sections_keys(tmp_pa
     with pytest.raises(ConfigError, match=r"^--set nosuch\.key=1: unknown key 'nosuch' at the top level; "
                                           r"valid keys: run_name,"):
         load_config(params, ["nosuch.key=1"])
-    with pytest.raises(ConfigError, match=r"^--set analysis\.judge\.modle=x: .*did you mean model\?"):
-        load_config(params, ["analysis.judge.modle=x"])  # a section that may be None
+    with pytest.raises(ConfigError, match=r"^--set analysis\.annotator\.modle=x: .*did you mean model\?"):
+        load_config(params, ["analysis.annotator.modle=x"])  # a section that may be None
     with pytest.raises(ConfigError, match=r"^--set training\.steps=-1: training\.steps: .*greater than"):
         load_config(params, ["training.steps=-1"])
-    removed = r"^--set evaluation\.n_scenarios=3: .*\(removed: use scenarios\.limit_test\)$"
+    removed = r"^--set evaluation\.n_scenarios=3: .*\(removed: use scenarios\.n_test_scenarios\)$"
     with pytest.raises(ConfigError, match=removed):
         load_config(params, ["evaluation.n_scenarios=3"])
 
@@ -80,8 +80,8 @@ def test_a_judge_section_that_sets_a_field_it_never_used_is_refused(tmp_path):
         build_config({}, ["evaluation.judge.initial_emotion=30"])
     # the strategy annotator is an endpoint, no simulated user: no difficulty, start emotion or appraisal
     for key in ("difficulty", "initial_emotion", "appraisal", "expected_center"):
-        with pytest.raises(ConfigError, match=rf"analysis\.judge\.{key}: .*the strategy annotator never used it"):
-            build_config({"analysis": {"judge": {key: None}}})
+        with pytest.raises(ConfigError, match=rf"analysis\.annotator\.{key}: .*the strategy annotator never used it"):
+            build_config({"analysis": {"annotator": {key: None}}})
     assert "initial_emotion" not in JudgeConfig.model_fields
     assert not {"difficulty", "initial_emotion", "appraisal"} & set(AnnotatorConfig.model_fields)
 
@@ -97,8 +97,8 @@ def _old_run_config(cfg) -> dict:
     data = cfg.model_dump(mode="json")
     data["evaluation"]["judge"]["initial_emotion"] = 50
     data["stages"] = [{"trained": "evaluate"}.get(name, name) for name in data["stages"]]
-    data["analysis"]["judge"].update(difficulty="moderate", initial_emotion=50, appraisal="first_person",
-                                     appraisal_chars=200, message_chars=400, expected_center=0.83)
+    data["analysis"]["annotator"].update(difficulty="moderate", initial_emotion=50, appraisal="first_person",
+                                         appraisal_chars=200, message_chars=400, expected_center=0.83)
     return data
 
 
@@ -128,7 +128,7 @@ def test_an_old_runs_config_yaml_with_unused_keys_is_still_read(tmp_path):
     from rlver_lib.pipeline.run import prepare_run_dir
 
     cfg = build_config({"run_name": "old", "output_root": str(tmp_path),
-                        "analysis": {"judge": {"backend": "rule"}}})
+                        "analysis": {"annotator": {"backend": "rule"}}})
     old = tmp_path / "old" / "config.yaml"
     old.parent.mkdir()
     old.write_text(yaml.safe_dump(_old_run_config(cfg), sort_keys=False), encoding="utf-8")
@@ -156,6 +156,60 @@ QUICKSTART_JUDGE_BEFORE = {
     "expected_answer_order": "yes_no", "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
     "presence_penalty": 0.0, "frequency_penalty": 0.0,
 }
+
+
+# The keys a run folder saved before each idea of the config took one convention (issue 33,
+# December 2026), written out by hand (not from params.RETIRED_KEYS): {old: today's}.
+RENAMED_BEFORE_ONE_CONVENTION = {
+    "scenarios.limit_train": "scenarios.n_train_scenarios", "scenarios.limit_test": "scenarios.n_test_scenarios",
+    "evaluation.bootstrap_samples": "evaluation.n_boot", "analysis.judge": "analysis.annotator",
+    "analysis.judge_sample": "analysis.n_annotated_replies", "analysis.judge_seeds": "analysis.n_self_agreement_runs",
+    "analysis.self_agreement_sample": "analysis.n_self_agreement_replies",
+    "analysis.judge_validation_n": "analysis.n_annotator_validation_items",
+    "analysis.probe_scenarios": "analysis.n_probe_scenarios",
+    "analysis.sycophancy_samples": "analysis.n_sycophancy_replies",
+    "analysis.consistency_sample": "analysis.n_consistency_turns",
+    "capability.humaneval_n": "capability.n_humaneval_problems", "capability.math_n": "capability.n_math_items",
+}
+# ... and the bools that switched a part off, which every such run saved
+OFF_SWITCHES_BEFORE_ONE_CONVENTION = ("analysis.strategy_judge", "analysis.hacking_probes", "capability.enabled",
+                                      "capability.lm_eval.enabled")
+
+
+def _saved_before_one_convention(cfg, *, switched_on: bool) -> dict:
+    """``cfg`` as a run folder saved it before: the old names, and each part's bool switch."""
+    data = cfg.model_dump(mode="json")
+    for old, new in RENAMED_BEFORE_ONE_CONVENTION.items():
+        *section, name = new.split(".")
+        value = get_dotted(data, ".".join(section)).pop(name)
+        *section, name = old.split(".")
+        get_dotted(data, ".".join(section))[name] = value
+    for key in OFF_SWITCHES_BEFORE_ONE_CONVENTION:
+        *section, name = key.split(".")
+        get_dotted(data, ".".join(section))[name] = switched_on
+    return data
+
+
+def test_an_old_runs_config_yaml_is_read_with_todays_keys(tmp_path):
+    cfg = build_config({"run_name": "old", "output_root": str(tmp_path), "scenarios": {"n_train_scenarios": 4},
+                        "evaluation": {"n_boot": 50},
+                        "analysis": {"annotator": {"backend": "rule"}, "n_annotated_replies": 5,
+                                     "n_self_agreement_runs": 3, "n_annotator_validation_items": 0,
+                                     "n_probe_scenarios": 2, "n_sycophancy_replies": 1, "n_consistency_turns": 0},
+                        "capability": {"n_humaneval_problems": 3, "n_math_items": 4,
+                                       "lm_eval": {"tasks": ["gsm8k"]}}})
+    old = tmp_path / "old" / "config.yaml"
+    old.parent.mkdir()
+    old.write_text(yaml.safe_dump(_saved_before_one_convention(cfg, switched_on=True)), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"analysis\.judge_sample: .*\(removed: use analysis\.n_annotated_replies\)"):
+        load_config(old)  # as a params file it is refused, naming the new key ...
+    assert load_run_config(old) == cfg  # ... as a run's saved config it reads as it ran
+    # a part switched off by its bool reads as its counts at 0, whatever counts it saved beside it
+    old.write_text(yaml.safe_dump(_saved_before_one_convention(cfg, switched_on=False)), encoding="utf-8")
+    off = build_config(cfg.model_dump(), {
+        "analysis.n_annotated_replies": 0, "analysis.n_sycophancy_replies": 0, "analysis.n_probe_scenarios": 0,
+        "capability.n_humaneval_problems": 0, "capability.n_math_items": 0, "capability.lm_eval.tasks": []})
+    assert load_run_config(old) == off
 
 
 def test_the_quickstart_judge_is_built_from_its_config_as_before(monkeypatch):

@@ -162,7 +162,7 @@ def test_credit_ablation_grid_has_three_arms_on_the_same_several_turn_recipe():
     for c in cells:
         assert c.config.training.algorithm == "ppo"
         assert c.config.rollout.max_turns == c.config.evaluation.max_turns >= 3
-    same = {(c.config.seed, c.config.scenarios.limit_train, c.config.scenarios.limit_test,
+    same = {(c.config.seed, c.config.scenarios.n_train_scenarios, c.config.scenarios.n_test_scenarios,
              c.config.evaluation.repeats, c.config.training.steps) for c in cells}
     assert len(same) == 1
 

@@ -1,7 +1,7 @@
 """Every ``rlver_lib`` name the docs mention exists: a backticked dotted path
 (``rlver_lib.a.b``, or ``module.name`` with ``module`` one of the package's modules)
 in README.md or docs/*.md resolves by import and attribute look-up. Config keys spelled
-the same way (``evaluation.judge``, ``analysis.strategy_judge``) are not names."""
+the same way (``evaluation.judge``, ``analysis.n_annotated_replies``) are not names."""
 
 from __future__ import annotations
 

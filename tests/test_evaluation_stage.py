@@ -30,9 +30,9 @@ def test_evaluate_uses_the_judge_not_the_training_simulator(tmp_path, monkeypatc
         "output_root": str(tmp_path), "run_name": "r",
         # a hard LLM training simulator that must not be built: its model file does not exist
         "simulator": {"backend": "llamacpp", "model": str(tmp_path / "none.gguf"), "difficulty": "hard"},
-        "scenarios": {"test": str(reference_file("rlver_profiles", "test_profile.jsonl")), "limit_test": 3},
-        "evaluation": {"judge": {"backend": "rule"}, "max_turns": 4, "bootstrap_samples": 50},
-        "capability": {"enabled": False},
+        "scenarios": {"test": str(reference_file("rlver_profiles", "test_profile.jsonl")), "n_test_scenarios": 3},
+        "evaluation": {"judge": {"backend": "rule"}, "max_turns": 4, "n_boot": 50},
+        "capability": {"n_humaneval_problems": 0, "n_math_items": 0},  # retention off
     })
     for label in ("baseline", "trained"):
         current["label"] = label

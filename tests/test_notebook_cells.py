@@ -49,7 +49,7 @@ def test_cell_problems_finds_definitions_and_config_changes():
         "def f(x):\n    return x\n"
         "g = lambda s: s\n"
         "cfg.policy.adapter = adapter\n"
-        "cfg.scenarios.test, cfg.scenarios.limit_test = 'a', None\n"
+        "cfg.scenarios.test, cfg.scenarios.n_test_scenarios = 'a', None\n"
         "cfg.training.steps += 1\n"
         "setattr(cfg.policy, 'think', True)\n"
         "other.x = 1\n"
@@ -61,7 +61,7 @@ def test_cell_problems_finds_definitions_and_config_changes():
         "line 4: defines a lambda",
         "line 5: changes cfg.policy.adapter",
         "line 6: changes cfg.scenarios.test",
-        "line 6: changes cfg.scenarios.limit_test",
+        "line 6: changes cfg.scenarios.n_test_scenarios",
         "line 7: changes cfg.training.steps",
         "line 8: setattr on cfg.policy",
     ]

@@ -101,7 +101,7 @@ def test_scenarios_notebook_splits_by_persona(tiny_run, tmp_path):
     test = [json.loads(line) for line in (run / "scenarios" / "test.jsonl").read_text().splitlines()]
     norm = lambda s: " ".join(s["persona"].split()).casefold()  # noqa: E731
     assert not {norm(s) for s in train} & {norm(s) for s in test}
-    assert len(train) == cfg.scenarios.limit_train and len(test) == cfg.scenarios.limit_test
+    assert len(train) == cfg.scenarios.n_train_scenarios and len(test) == cfg.scenarios.n_test_scenarios
 
 
 def test_ablation_notebook_compares_runs(tiny_run, tmp_path):

@@ -7,8 +7,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlver_lib.config import ConfigError
-from rlver_lib.params import build_config, load_config, load_params, merge_params
+from rlver_lib.config import ConfigError, RunConfig, get_dotted
+from rlver_lib.params import (
+    RETIRED_KEYS,
+    build_config,
+    load_config,
+    load_params,
+    merge_params,
+    upgrade_run_config,
+)
 from rlver_lib.pipeline.ablate import load_grid
 from rlver_lib.vllm_backend import vllm_max_lora_rank
 
@@ -53,6 +60,25 @@ def test_unknown_key_is_rejected_by_name(tmp_path):
         load_config(bad)
 
 
+@pytest.mark.parametrize("old", sorted(RETIRED_KEYS))
+def test_a_params_file_with_a_retired_key_is_refused_naming_its_new_key(old, tmp_path):
+    """Each key of the migration table is refused in a params file and as an override, the
+    message naming what replaced it: today's keys (each one there is, none retired)."""
+    today = RETIRED_KEYS[old].read(False)  # a renamed key's value moves; a switch set off
+    assert today
+    for key in today:
+        get_dotted(RunConfig(), key)  # raises ConfigError for a key today's config lacks
+    with pytest.raises(ConfigError):
+        get_dotted(RunConfig(), old)  # a retired key is no key of today's config
+    params = tmp_path / "old.yaml"
+    params.write_text(yaml.safe_dump(_nested({old: 1})), encoding="utf-8")
+    for load in (lambda: load_config(params), lambda: build_config({}, [f"{old}=1"])):
+        with pytest.raises(ConfigError) as info:
+            load()
+        message = str(info.value)
+        assert "unknown key" in message and old in message and all(key in message for key in today), message
+
+
 def test_ablation_grid_has_the_paper_axes():
     grid, cells = load_grid(ROOT / "params" / "ablation-grid.yaml")
     assert len(cells) == 2 * 2 * 2
@@ -72,7 +98,7 @@ def test_quickstart_stays_within_its_simulator_budget():
     assert cfg.policy.model.startswith("embedded:") and cfg.simulator.model.startswith("embedded:")
     assert cfg.simulator.appraisal == cfg.evaluation.judge.appraisal == "expected"
     assert cfg.rollout.max_turns == cfg.evaluation.max_turns == 1
-    test_dialogues = cfg.scenarios.limit_test * cfg.evaluation.repeats
+    test_dialogues = cfg.scenarios.n_test_scenarios * cfg.evaluation.repeats
     train_dialogues = cfg.training.steps * cfg.training.scenarios_per_step * cfg.training.group_size
     assert 2 * test_dialogues + train_dialogues <= 28
     assert cfg.training.steps >= 6 and test_dialogues >= 8
@@ -80,6 +106,28 @@ def test_quickstart_stays_within_its_simulator_budget():
 
 
 # ------------------------------------------------------------ composed paper recipes
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _nested(flat: dict) -> dict:
+    nested: dict = {}
+    for key, value in flat.items():
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
 
 # Today's eight paper recipes, as their 82-line files spelled them out before they were
 # composed from params/paper/base.yaml (values copied once from those files; the dead
@@ -108,7 +156,7 @@ PAPER_SHARED = {
     "training.gradient_checkpointing": True, "training.checkpoint_every": 25, "training.keep_checkpoints": 3,
     "evaluation.initial_emotion": 40, "evaluation.max_turns": 10,
 }
-PAPER_SHARED.update({  # added with the analysis stage: a named strategy judge, capability retention
+PAPER_SHARED.update({  # added with the analysis stage: a named strategy annotator, capability retention
     "analysis.judge.backend": "openai", "analysis.judge.base_url": "http://localhost:8000/v1",
     "analysis.judge.model": "judge", "analysis.judge.api_key_env": "OPENAI_API_KEY",
     "analysis.judge.temperature": 0.0, "analysis.judge.max_new_tokens": 256, "analysis.judge.max_retries": 3,
@@ -135,6 +183,9 @@ PAPER_SHARED.update({  # the benchmark judge on an endpoint and model of its own
 PAPER_SHARED.update({  # vLLM's memory on a GPU shared with the learner: a batched-token cap, sleep mode
     "policy.vllm_max_num_batched_tokens": 4096, "policy.vllm_sleep_mode": True,
 })
+# one convention per idea (counts n_<things>, the annotator's keys, no enabled switch): the
+# same values under the keys params.RETIRED_KEYS gives them, as an old run folder reads
+PAPER_SHARED = _flat(upgrade_run_config(_nested(PAPER_SHARED)))
 PAPER_VARIANTS = {  # run_name: (training.algorithm, group_size, policy.think, max_new_tokens, difficulty)
     "paper-grpo-nothink-hard": ("grpo", 4, False, 512, "hard"),
     "paper-grpo-nothink-moderate": ("grpo", 4, False, 512, "moderate"),
@@ -145,16 +196,6 @@ PAPER_VARIANTS = {  # run_name: (training.algorithm, group_size, policy.think, m
     "paper-ppo-think-hard": ("ppo", 1, True, 1024, "hard"),
     "paper-ppo-think-moderate": ("ppo", 1, True, 1024, "moderate"),
 }
-
-
-def _flat(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 # batch sizes became global, in dialogues (issue 23): 4 optimizer steps a step for both
@@ -175,14 +216,7 @@ def test_paper_recipe_resolves_to_its_former_values(name):
     path = ROOT / "params" / f"{name}.yaml"
     expected = _expected_recipe(name)
     assert _flat(load_params(path)) == expected  # the same keys set, to the same values
-    nested: dict = {}
-    for key, value in expected.items():
-        node = nested
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    assert load_config(path).model_dump() == build_config(nested).model_dump()
+    assert load_config(path).model_dump() == build_config(_nested(expected)).model_dump()
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_VARIANTS))

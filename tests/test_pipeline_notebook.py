@@ -32,7 +32,7 @@ def test_notebook_session_opens_the_run_and_sets_up_display(tmp_path, capsys):
 def test_run_scenarios_prefers_the_runs_written_split(tmp_path):
     from rlver_lib.scenarios import RunSplit, load_scenarios
 
-    cfg = run_config(tmp_path, **{"scenarios.limit_train": 3})
+    cfg = run_config(tmp_path, **{"scenarios.n_train_scenarios": 3})
     builtin_train = load_scenarios("builtin:train")
     # nothing written yet: the config's source, cut to its limit (test has no limit)
     assert [s.id for s in run_scenarios(cfg, tmp_path, "train")] == [s.id for s in builtin_train[:3]]

@@ -36,9 +36,9 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "params_tiny.yaml"
 TWO_RANKS = ["training.scenarios_per_step=2", "training.mini_batch_size=4"]  # 2 whole GRPO groups, 1 per rank
-TRIM = ["analysis.strategy_judge=false", "analysis.self_agreement_sample=0", "analysis.consistency_sample=0",
-        "analysis.sycophancy_samples=0", "analysis.hacking_probes=false", "capability.enabled=false",
-        "evaluation.bootstrap_samples=20"]
+TRIM = ["analysis.n_annotated_replies=0", "analysis.n_consistency_turns=0", "analysis.n_sycophancy_replies=0",
+        "analysis.n_probe_scenarios=0", "capability.n_humaneval_problems=0", "capability.n_math_items=0",
+        "evaluation.n_boot=20"]
 STAGES = ["scenarios", "baseline", "train", "trained", "analysis"]
 
 

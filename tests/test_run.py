@@ -131,11 +131,12 @@ def test_pipeline_stage_order_and_adapters(tmp_path):
     stages = pipeline_stages(cfg, run)
     assert [s.name for s in stages] == ["scenarios", "baseline", "train", "trained", "analysis"]
     by_name = {s.name: s for s in stages}
-    assert by_name["baseline"].params == {"label": "baseline", "adapter": None}
-    assert by_name["trained"].params == {"label": "trained", "adapter": str(run / "train" / "adapter")}
+    assert by_name["baseline"].params == {"label": "baseline"}  # policy.adapter as configured
+    assert by_name["trained"].params == {"label": "trained",
+                                         "overrides": {"policy.adapter": str(run / "train" / "adapter")}}
     no_train = build_config({"stages": ["trained"], "policy": {"adapter": "some/adapter"}})
     (trained,) = pipeline_stages(no_train, run)
-    assert trained.params["adapter"] == "some/adapter"
+    assert trained.params["overrides"] == {"policy.adapter": "some/adapter"}
 
 
 def test_changed_config_in_existing_run_folder_is_refused(tmp_path):

@@ -399,7 +399,7 @@ def test_split_for_run_drops_training_scenarios_whose_persona_is_tested():
     assert [s.id for s in split.dropped] == ["s1", "s3"]
     assert [s.persona for s in split.test] == ["BO, 41.", "Di, 60."]
     limited = split_for_run(train, test, ScenarioConfig(train="a.jsonl", test="b.jsonl",
-                                                        limit_train=1, limit_test=1))
+                                                        n_train_scenarios=1, n_test_scenarios=1))
     assert [s.id for s in limited.train] == ["s0"] and [s.persona for s in limited.test] == ["BO, 41."]
     assert [s.id for s in limited.dropped] == ["s1", "s3"]  # counted before the limits
 

@@ -98,7 +98,7 @@ def _cfg(server, seed):
                       "temperature": 0.7, "max_new_tokens": 96, "concurrency": 1, "max_retries": 1,
                       "appraisal_chars": FIELD_CHARS, "message_chars": MESSAGE_CHARS,
                       "timeout_s": 300, "appraisal": "first_person"},
-        "evaluation": {"max_turns": 2, "bootstrap_samples": 20},
+        "evaluation": {"max_turns": 2, "n_boot": 20},
     })
 
 

@@ -41,6 +41,7 @@ from rlver_lib.analysis.strategies import (
     strategy_use,
 )
 from rlver_lib.backends import ChatBackend, TransformersBackend
+from rlver_lib.config import AnnotatorConfig, RunConfig
 from rlver_lib.evaluation.judge import Judge
 from rlver_lib.files import RunFolder
 from rlver_lib.models import load_policy
@@ -86,20 +87,22 @@ class StrategyReport:
     labelled_set_consistency: pd.DataFrame | None = None
 
 
-def strategy_analysis(cfg: Any, run_dir: str | Path, annotator: ChatBackend, annotator_cfg: Any) -> StrategyReport:
+def strategy_analysis(cfg: RunConfig, run_dir: str | Path, annotator: ChatBackend,
+                      annotator_cfg: AnnotatorConfig) -> StrategyReport:
     """Annotate the strategies of a sample of the run's policy replies and measure the annotator's reliability.
 
-    ``cfg.analysis.judge_sample`` replies per source (baseline, each training step,
+    ``cfg.analysis.n_annotated_replies`` replies per source (baseline, each training step,
     trained; :func:`run_replies`, :func:`sample_replies`) are annotated by ``annotator``
     (:func:`annotate_strategies` at ``annotator_cfg``'s temperature and token budget).  The
-    first ``self_agreement_sample`` of them are annotated again under
-    ``judge_seeds`` seeds at the annotator's temperature, or 0.7 when it is greedy (the
-    spread under sampling noise; :func:`self_agreement`); the annotator is scored on
-    ``judge_validation_n`` items of the labelled set (:func:`annotator_validation`).
+    first ``n_self_agreement_replies`` of them are annotated again ``n_self_agreement_runs``
+    times, under seeds ``seed``, ``seed + 1``, ... at the annotator's temperature, or 0.7 when
+    it is greedy (the spread under sampling noise; :func:`self_agreement`); the annotator is
+    scored on ``n_annotator_validation_items`` items of the labelled set
+    (:func:`annotator_validation`).
     Writes ``<run>/analysis/strategy_annotations.csv`` (:data:`rlver_lib.analysis.cells.ANNOTATIONS`).
     """
     a = cfg.analysis
-    replies = sample_replies(run_replies(run_dir), a.judge_sample, seed=cfg.seed).reset_index(drop=True)
+    replies = sample_replies(run_replies(run_dir), a.n_annotated_replies, seed=cfg.seed).reset_index(drop=True)
     budget = {"max_new_tokens": annotator_cfg.max_new_tokens}
     annotations = annotate_strategies(annotator, list(replies["reply"]), user_messages=list(replies["user"]),
                                       seed=cfg.seed, temperature=annotator_cfg.temperature,
@@ -107,13 +110,13 @@ def strategy_analysis(cfg: Any, run_dir: str | Path, annotator: ChatBackend, ann
     annotated = pd.concat([replies, annotations], axis=1)
     write_table(run_dir, ANNOTATIONS, annotated)
     agreement = None
-    if a.self_agreement_sample and len(replies):
-        sub = replies.head(a.self_agreement_sample)
+    if a.n_self_agreement_replies and len(replies):
+        sub = replies.head(a.n_self_agreement_replies)
         agreement = self_agreement(annotator, list(sub["reply"]), list(sub["user"]),
-                                   seeds=[cfg.seed + k for k in range(a.judge_seeds)],
+                                   seeds=[cfg.seed + k for k in range(a.n_self_agreement_runs)],
                                    temperature=annotator_cfg.temperature or 0.7, **budget)
-    validation = None if a.judge_validation_n == 0 else annotator_validation(annotator, n=a.judge_validation_n,
-                                                                             seed=cfg.seed, **budget)
+    validation = None if a.n_annotator_validation_items == 0 else annotator_validation(
+        annotator, n=a.n_annotator_validation_items, seed=cfg.seed, **budget)
     return StrategyReport(annotator_name(annotator_cfg), annotated, agreement, validation, labelled_set_agreement(),
                           labelled_set_agreement(passes=CONSISTENCY_PASSES))
 
@@ -145,31 +148,34 @@ def hacking_analysis(run_dir: str | Path, *, n_boot: int = 1000, confidence: flo
     return out
 
 
-def injection_analysis(cfg: Any, run_dir: str | Path) -> pd.DataFrame:
+def injection_analysis(cfg: RunConfig, run_dir: str | Path) -> pd.DataFrame | None:
     """The injection probes against the configured benchmark judge
     (``evaluation.judge``, :class:`rlver_lib.evaluation.judge.Judge`) on the run's test
-    scenarios (the first ``analysis.probe_scenarios``; all when ``None``), from the
+    scenarios (the first ``analysis.n_probe_scenarios``; all when ``None``), from the
     benchmark's start emotion.  Writes ``injection_probes.csv`` (every appraisal) and
-    ``injection_summary.csv`` (:func:`summarize_injection`); returns the summary."""
-    scenarios = load_scenarios(RunFolder(run_dir).scenarios("test"))[: cfg.analysis.probe_scenarios]
+    ``injection_summary.csv`` (:func:`summarize_injection`); returns the summary, ``None``
+    when ``n_probe_scenarios`` is 0 (the probes are off)."""
+    if cfg.analysis.n_probe_scenarios == 0:
+        return None
+    scenarios = load_scenarios(RunFolder(run_dir).scenarios("test"))[: cfg.analysis.n_probe_scenarios]
     with Judge.from_config(cfg.evaluation, cfg.seed) as judge:
         probes = run_injection_probes(judge.simulator, scenarios, emotion=cfg.evaluation.initial_emotion)
-    summary = summarize_injection(probes, n_boot=cfg.evaluation.bootstrap_samples,
+    summary = summarize_injection(probes, n_boot=cfg.evaluation.n_boot,
                                   confidence=cfg.evaluation.confidence, seed=cfg.seed)
     write_table(run_dir, "injection_probes", probes)
     write_table(run_dir, "injection_summary", summary.rename_axis("kind").reset_index())
     return summary
 
 
-def consistency_analysis(cfg: Any, run_dir: str | Path, label: str = "trained") -> pd.DataFrame | None:
-    """Re-appraise ``analysis.consistency_sample`` recorded turns of ``eval/<label>`` with the
+def consistency_analysis(cfg: RunConfig, run_dir: str | Path, label: str = "trained") -> pd.DataFrame | None:
+    """Re-appraise ``analysis.n_consistency_turns`` recorded turns of ``eval/<label>`` with the
     benchmark judge at its own seed and at seed + 1 (:func:`simulator_consistency`);
-    ``None`` when the sample size is 0 or nothing was recorded."""
+    ``None`` when that count is 0 or nothing was recorded."""
     records = scored_records(RunFolder(run_dir).eval_dir(label).dialogues)
-    if not cfg.analysis.consistency_sample or not records:
+    if not cfg.analysis.n_consistency_turns or not records:
         return None
     scenarios = load_scenarios(RunFolder(run_dir).scenarios("test"))
-    samples = requests_from_records(records, scenarios, n=cfg.analysis.consistency_sample, seed=cfg.seed)
+    samples = requests_from_records(records, scenarios, n=cfg.analysis.n_consistency_turns, seed=cfg.seed)
     if not samples:
         return None
     built: list[Judge] = []
@@ -187,20 +193,20 @@ def consistency_analysis(cfg: Any, run_dir: str | Path, label: str = "trained") 
             judge.close()
 
 
-def sycophancy_analysis(cfg: Any, run_dir: str | Path, annotator: ChatBackend,
-                        annotator_cfg: Any) -> pd.DataFrame | None:
+def sycophancy_analysis(cfg: RunConfig, run_dir: str | Path, annotator: ChatBackend,
+                        annotator_cfg: AnnotatorConfig) -> pd.DataFrame | None:
     """How often the base and the trained policy absolve an at-fault user.
 
-    ``analysis.sycophancy_samples`` replies (the policy's sampling settings) to the
+    ``analysis.n_sycophancy_replies`` replies (the policy's sampling settings) to the
     opening line of each at-fault test scenario of the run (:func:`at_fault_scenarios`
     of ``scenarios.test``, not only the run's limited test list), by the base policy
     (adapter disabled) and, when the run trained one, by ``<run>/train/adapter``;
     annotated by ``annotator`` (``absolves_user``); :func:`sycophancy_rate` per policy.
     Writes ``sycophancy.csv`` (every reply and its labels).  ``None`` when there is no
-    at-fault test scenario or the sample size is 0.
+    at-fault test scenario or ``n_sycophancy_replies`` is 0.
     """
     scenarios = at_fault_scenarios(load_scenarios(cfg.scenarios.test))
-    if not scenarios or not cfg.analysis.sycophancy_samples:
+    if not scenarios or not cfg.analysis.n_sycophancy_replies:
         return None
     folder = RunFolder(run_dir)
     policy_cfg = cfg.policy.model_copy(update={"adapter": str(folder.adapter) if folder.adapter_config.is_file()
@@ -212,7 +218,7 @@ def sycophancy_analysis(cfg: Any, run_dir: str | Path, annotator: ChatBackend,
         model.to("cuda")
     backend = TransformersBackend(model, tokenizer)
     sampling = cfg.policy.sampling(cfg.seed)
-    kwargs = {"n_samples": cfg.analysis.sycophancy_samples, "sampling": sampling, "think": cfg.policy.think,
+    kwargs = {"n_samples": cfg.analysis.n_sycophancy_replies, "sampling": sampling, "think": cfg.policy.think,
               "seed": cfg.seed}
     parts = []
     if policy_cfg.adapter:
@@ -228,5 +234,5 @@ def sycophancy_analysis(cfg: Any, run_dir: str | Path, annotator: ChatBackend,
                                       max_retries=annotator_cfg.max_retries)
     annotated = pd.concat([replies, annotations], axis=1)
     write_table(run_dir, "sycophancy", annotated)
-    return sycophancy_rate(annotated, n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence,
+    return sycophancy_rate(annotated, n_boot=cfg.evaluation.n_boot, confidence=cfg.evaluation.confidence,
                            seed=cfg.seed)

@@ -19,7 +19,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from rlver_lib.backends import ChatBackend, Generation, closing_backend, structured_batch
-from rlver_lib.config import AnnotatorConfig, SamplingParams
+from rlver_lib.config import AnnotatorConfig, RunConfig, SamplingParams
 from rlver_lib.files import iter_jsonl
 from rlver_lib.models import make_simulator_backend
 from rlver_lib.plots import level_colours, new_figure
@@ -264,7 +264,7 @@ class RuleAnnotator:
     """A :class:`~rlver_lib.backends.ChatBackend` that answers an annotation conversation
     (:func:`annotation_conversation`) with :func:`rule_annotation` of its reply, as JSON.
 
-    What ``analysis.judge.backend: rule`` builds; it needs no model, ignores sampling
+    What ``analysis.annotator.backend: rule`` builds; it needs no model, ignores sampling
     and seeds (so its self-agreement is 1 by construction) and is for plumbing and
     tests only."""
 
@@ -276,13 +276,13 @@ class RuleAnnotator:
         return out
 
 
-def annotator_config(cfg: Any) -> Any:
-    """The strategy annotator's config: ``cfg.analysis.judge``, or when that is ``None`` a
+def annotator_config(cfg: RunConfig) -> AnnotatorConfig:
+    """The strategy annotator's config: ``cfg.analysis.annotator``, or when that is ``None`` a
     :class:`rlver_lib.config.AnnotatorConfig` with the backend and model settings
     of ``cfg.evaluation.judge`` (the benchmark judge's model) and the annotator defaults (greedy)."""
-    if cfg.analysis.judge is not None:
-        return cfg.analysis.judge
-    source = getattr(cfg.evaluation, "judge", None) or cfg.simulator
+    if cfg.analysis.annotator is not None:
+        return cfg.analysis.annotator
+    source = cfg.evaluation.judge
     keep = {"backend", "model", "base_url", "api_key_env", "timeout_s", "concurrency", "n_threads", "n_ctx",
             "max_retries"}
     data = {k: v for k, v in source.model_dump().items() if k in keep and k in AnnotatorConfig.model_fields}
@@ -290,7 +290,7 @@ def annotator_config(cfg: Any) -> Any:
 
 
 @contextmanager
-def open_annotator(annotator_cfg: Any, seed: int) -> Iterator[ChatBackend]:
+def open_annotator(annotator_cfg: AnnotatorConfig, seed: int) -> Iterator[ChatBackend]:
     """The strategy annotator for the length of a ``with`` block: :class:`RuleAnnotator`
     for backend ``rule``, else ``models.make_simulator_backend`` (the simulator's
     backend kinds; a server it starts is stopped on the way out)."""
@@ -299,7 +299,7 @@ def open_annotator(annotator_cfg: Any, seed: int) -> Iterator[ChatBackend]:
         yield annotator
 
 
-def annotator_name(annotator_cfg: Any) -> str:
+def annotator_name(annotator_cfg: AnnotatorConfig) -> str:
     """``backend:model`` of a strategy annotator, for tables and reports."""
     return ("rule (lexical cues, no model)" if annotator_cfg.backend == "rule"
             else f"{annotator_cfg.backend}:{annotator_cfg.model}")

@@ -554,7 +554,7 @@ def judge_agreement_command(files: Sequence[str], *, params: str | None = None, 
     again = Judge.from_config(retest_cfg.evaluation, retest_cfg.seed) if retest_cfg is not None else None
     retest = again.simulator if again is not None else None
     try:
-        result = judge_agreement(chosen, scenarios, simulator, n_boot=cfg.evaluation.bootstrap_samples,
+        result = judge_agreement(chosen, scenarios, simulator, n_boot=cfg.evaluation.n_boot,
                                  confidence=cfg.evaluation.confidence, seed=seed,
                                  batch_size=cfg.evaluation.judge.concurrency, progress=progress,
                                  permutation_resamples=permutations, retest=retest, pool=turns)

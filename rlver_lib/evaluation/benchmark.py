@@ -316,7 +316,7 @@ def run_benchmark(
     ``simulator`` is the judge's simulated user (:attr:`rlver_lib.evaluation.judge.Judge.simulator`);
     ``judge`` its :attr:`~rlver_lib.evaluation.judge.Judge.description`, recorded in
     ``summary.json`` with the protocol.
-    Scenarios: all of ``scenarios`` (the caller cuts them to ``scenarios.limit_test``).  Each of
+    Scenarios: all of ``scenarios`` (the caller cuts them to ``scenarios.n_test_scenarios``).  Each of
     ``eval_cfg.repeats`` repeats plays one dialogue per scenario with its own seed
     (repeat 0: ``seed``; repeat k: ``derive_seed(seed, "repeat", k)``, for the policy
     and the judge alike), so a baseline and a trained run see the same seeds.
@@ -368,7 +368,7 @@ def run_benchmark(
             record["dialogue_id"] = f"{t.scenario_id}#{k}"
             records.append({**record, "label": label, "repeat": k, "seed": seed_k, "protocol": protocol["name"],
                             **_scenario_fields(by_id[t.scenario_id])})
-    summary = summarize(records, n_boot=eval_cfg.bootstrap_samples, confidence=eval_cfg.confidence, seed=seed)
+    summary = summarize(records, n_boot=eval_cfg.n_boot, confidence=eval_cfg.confidence, seed=seed)
     write_jsonl(folder.dialogues, records)
     write_summary(summary, folder.root, label, {"judge": judge or {"backend": type(simulator).__name__},
                                             "protocol": protocol, "character": character.summarize(records)})

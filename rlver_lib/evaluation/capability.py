@@ -38,7 +38,7 @@ import pandas as pd
 from scipy.stats import norm
 
 from rlver_lib.backends import ChatBackend
-from rlver_lib.config import SamplingParams
+from rlver_lib.config import CapabilityConfig, LmEvalConfig, SamplingParams
 from rlver_lib.files import EvalFolder, atomic_write_json, iter_jsonl, write_jsonl
 from rlver_lib.stats import PairedDifference, bootstrap_ci, paired_difference
 
@@ -398,29 +398,29 @@ def math_accuracy(policy: ChatBackend, items: Sequence[MathItem], *, max_new_tok
 # --------------------------------------------------------------------------- one evaluated policy
 
 
-def run_retention(policy: ChatBackend, cap_cfg: Any, out_dir: str | Path, *, seed: int,
+def run_retention(policy: ChatBackend, cap_cfg: CapabilityConfig, out_dir: str | Path, *, seed: int,
                   n_boot: int = 1000, confidence: float = 0.95) -> dict[str, Any]:
     """The offline retention checks of one policy, written into the
     :class:`~rlver_lib.files.EvalFolder` ``out_dir``.
 
-    ``cap_cfg`` is a ``capability`` config block: ``humaneval_n`` problems (seeded
+    ``cap_cfg`` is a ``capability`` config block: ``n_humaneval_problems`` problems (seeded
     sample) at ``humaneval_max_new_tokens`` with ``timeout_s`` / ``memory_mb`` per
-    program, and ``math_n`` maths items at ``math_max_new_tokens`` (0 skips either).
+    program, and ``n_math_items`` maths items at ``math_max_new_tokens`` (0 skips either).
     Writes ``humaneval.jsonl`` (one row per problem), ``math.json`` (``accuracy``
     with a bootstrap interval and ``items``) and ``capability.json`` (headline
     figures).  Returns the ``capability.json`` content.
     """
     folder = EvalFolder(out_dir)
     summary: dict[str, Any] = {}
-    if cap_cfg.humaneval_n:
-        problems = load_humaneval(cap_cfg.humaneval_n, seed=seed)
+    if cap_cfg.n_humaneval_problems:
+        problems = load_humaneval(cap_cfg.n_humaneval_problems, seed=seed)
         code = humaneval_pass_at_1(policy, problems, max_new_tokens=cap_cfg.humaneval_max_new_tokens,
                                    timeout_s=cap_cfg.timeout_s, memory_mb=cap_cfg.memory_mb, seed=seed)
         write_jsonl(folder.humaneval, code.table.to_dict(orient="records"))
         summary["humaneval"] = {"pass_at_1": code.pass_at_1, "n": len(code.table),
                                 "statuses": code.table["status"].value_counts().to_dict()}
-    if cap_cfg.math_n:
-        table = math_accuracy(policy, load_math_items(n=cap_cfg.math_n),
+    if cap_cfg.n_math_items:
+        table = math_accuracy(policy, load_math_items(n=cap_cfg.n_math_items),
                               max_new_tokens=cap_cfg.math_max_new_tokens, seed=seed)
         acc = bootstrap_ci(table["correct"].to_numpy(dtype=float), n_boot=n_boot,
                            confidence=confidence, seed=seed)
@@ -489,7 +489,7 @@ def lm_eval_model_args(model: str, adapter: str | None, dtype: str = "bfloat16")
     return args
 
 
-def run_lm_eval(model: str, adapter: str | None, lm_cfg: Any, out_path: str | Path, *,
+def run_lm_eval(model: str, adapter: str | None, lm_cfg: LmEvalConfig, out_path: str | Path, *,
                 dtype: str = "bfloat16", seed: int = 0) -> dict[str, Any]:
     """EleutherAI ``lm-eval`` on one policy through ``lm_eval.simple_evaluate``.
 

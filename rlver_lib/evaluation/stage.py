@@ -13,11 +13,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from rlver_lib.backends import ChatBackend
+from rlver_lib.config import RunConfig
 from rlver_lib.evaluation.benchmark import BenchmarkResult, BenchmarkSummary, run_benchmark
 from rlver_lib.evaluation.capability import run_lm_eval, run_retention
 from rlver_lib.evaluation.judge import Judge
 from rlver_lib.evaluation.paired import PairedComparison, write_paired
-from rlver_lib.files import RunFolder, process_rank
+from rlver_lib.files import EvalFolder, RunFolder, process_rank
 from rlver_lib.models import load_policy, make_policy_backend
 from rlver_lib.plots import plot_breakdown, plot_emotion_trajectories, save_figure
 from rlver_lib.scenarios import load_scenarios
@@ -52,12 +54,31 @@ def styled_breakdown(breakdown: pd.DataFrame) -> Any:
 # --------------------------------------------------------------------------- the benchmark stage
 
 
+def capability_retention(cfg: RunConfig, policy: ChatBackend, bench: EvalFolder) -> dict[str, Any] | None:
+    """The capability checks ``cfg.capability`` asks for, on ``policy``, written into
+    ``bench``: the offline ones (:func:`run_retention`) unless both their counts are 0,
+    then ``lm_eval``'s tasks, if any (the harness path: GPU, model hub), under
+    ``"lm_eval"``. ``None`` when nothing is asked (docs/ARCHITECTURE.md "Config
+    conventions": a part is off at a count of 0)."""
+    cap = cfg.capability
+    offline = cap.n_humaneval_problems or cap.n_math_items
+    if not offline and not cap.lm_eval.tasks:
+        return None
+    out = run_retention(policy, cap, bench.root, seed=cfg.seed, n_boot=cfg.evaluation.n_boot,
+                        confidence=cfg.evaluation.confidence) if offline else {}
+    if cap.lm_eval.tasks:
+        out["lm_eval"] = run_lm_eval(cfg.policy.model, cfg.policy.adapter, cap.lm_eval, bench.lm_eval,
+                                     dtype=cfg.policy.compute_dtype(), seed=cfg.seed)
+    return out
+
+
 @dataclass
 class Evaluation:
     """One evaluated policy: the benchmark result, the judge that scored it (closed; its
     description and name stay), the capability-retention figures (``capability.json``
-    content, :func:`rlver_lib.evaluation.capability.run_retention`; ``None`` when
-    ``capability.enabled`` is false) and, for a non-baseline label in a run with a
+    content, :func:`rlver_lib.evaluation.capability.run_retention`, with ``lm_eval``'s
+    results when it ran; ``None`` when every capability count is 0 and ``lm_eval`` has no
+    task) and, for a non-baseline label in a run with a
     baseline, the paired comparison."""
 
     benchmark: BenchmarkResult
@@ -66,14 +87,14 @@ class Evaluation:
     paired: PairedComparison | None = None
 
 
-def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation | None:
+def evaluate(cfg: RunConfig, *, label: str | None = None) -> Evaluation | None:
     """The benchmark (and maths retention) of ``cfg.policy`` (with ``cfg.policy.adapter``
     when set) on ``cfg.scenarios.test``, written to ``<run_dir>/eval/<label>/``.
 
     The judge is ``cfg.evaluation.judge`` (:meth:`rlver_lib.evaluation.judge.Judge.from_config`), never
     ``cfg.simulator``; its description and the protocol go into ``summary.json``.
     ``label`` defaults to ``trained`` with an adapter, else ``baseline``.  Writes the
-    files of :func:`run_benchmark`, the capability-retention files when ``cfg.capability.enabled``,
+    files of :func:`run_benchmark`, the capability-retention files (:func:`capability_retention`),
     ``<run_dir>/figures/eval_<label>_{trajectory,breakdown}.png``, and, for a label other
     than ``baseline`` when ``eval/baseline`` exists, ``<run_dir>/eval/paired.json``
     (:func:`write_paired`).
@@ -90,7 +111,7 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation | None:
         return None
     model, tokenizer = load_policy(cfg.policy)
     policy = make_policy_backend(cfg.policy, model, tokenizer)
-    scenarios = load_scenarios(cfg.scenarios.test)[: cfg.scenarios.limit_test]
+    scenarios = load_scenarios(cfg.scenarios.test)[: cfg.scenarios.n_test_scenarios]
     sampling = cfg.policy.sampling(cfg.seed)
     with Judge.from_config(cfg.evaluation, cfg.seed) as judge:
         simulator = judge.simulator  # built first: the description then records what its server serves
@@ -101,21 +122,15 @@ def evaluate(cfg: Any, *, label: str | None = None) -> Evaluation | None:
     traj = result.summary.trajectory.assign(label=label)
     save_figure(plot_emotion_trajectories(traj), folder.eval_figure(label, "trajectory"))
     save_figure(plot_breakdown(result.summary.breakdown), folder.eval_figure(label, "breakdown"))
-    capability = None
-    if cfg.capability.enabled:
-        capability = run_retention(policy, cfg.capability, bench.root, seed=cfg.seed,
-                             n_boot=cfg.evaluation.bootstrap_samples, confidence=cfg.evaluation.confidence)
-        if cfg.capability.lm_eval.enabled:  # the harness path (GPU, model hub): rlver_lib.evaluation.capability
-            capability["lm_eval"] = run_lm_eval(cfg.policy.model, cfg.policy.adapter, cfg.capability.lm_eval,
-                                          bench.lm_eval, dtype=cfg.policy.compute_dtype(), seed=cfg.seed)
+    capability = capability_retention(cfg, policy, bench)
     paired = None
     if label != "baseline":
-        paired = write_paired(cfg.run_dir, trained=label, n_boot=cfg.evaluation.bootstrap_samples,
+        paired = write_paired(cfg.run_dir, trained=label, n_boot=cfg.evaluation.n_boot,
                               confidence=cfg.evaluation.confidence, seed=cfg.seed)
     return Evaluation(result, judge, capability, paired)
 
 
-def eval_command(cfg: Any, *, label: str | None = None) -> int:
+def eval_command(cfg: RunConfig, *, label: str | None = None) -> int:
     """``rlver eval PARAMS.yaml``: run :func:`evaluate`, print the headline figures and the
     judge that scored them, return 0."""
     ev = evaluate(cfg, label=label)

@@ -73,26 +73,26 @@ def run_scenarios(cfg: RunConfig, run_dir: str | Path, split: str) -> list[Scena
     """The scenarios a stage of this run uses for ``split`` (``"train"`` or ``"test"``):
     ``<run_dir>/scenarios/<split>.jsonl`` when the scenarios stage (01) wrote it (already
     persona-disjoint and limited), else ``cfg.scenarios.<split>`` cut to
-    ``cfg.scenarios.limit_<split>``. Raises ``ValueError`` for another ``split`` and the
+    ``cfg.scenarios.n_<split>_scenarios``. Raises ``ValueError`` for another ``split`` and the
     errors of :func:`rlver_lib.scenarios.load_scenarios` for a bad file."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     written = RunFolder(run_dir).scenarios(split)
     if written.is_file():
         return load_scenarios(written)
-    return load_scenarios(getattr(cfg.scenarios, split))[: getattr(cfg.scenarios, f"limit_{split}")]
+    return load_scenarios(getattr(cfg.scenarios, split))[: getattr(cfg.scenarios, f"n_{split}_scenarios")]
 
 
-def benchmark_config(cfg: RunConfig, run_dir: str | Path, adapter: str | None = None) -> RunConfig:
+def benchmark_config(cfg: RunConfig, run_dir: str | Path) -> RunConfig:
     """A copy of ``cfg`` for one benchmark of this run (``cfg`` itself is left as it is):
     the run's persona-disjoint test set when the scenarios stage wrote it
-    (``<run_dir>/scenarios/test.jsonl``, already limited), and ``policy.adapter`` =
-    ``adapter`` (``None``: the base policy)."""
+    (``<run_dir>/scenarios/test.jsonl``, already cut to its count). The policy is
+    ``cfg.policy``: the adapter to evaluate is ``policy.adapter``, the one key that names
+    it (a pipeline stage sets it through the notebook's ``overrides``)."""
     written = RunFolder(run_dir).scenarios("test")
-    scenarios = cfg.scenarios.model_copy(update={"test": str(written), "limit_test": None}) \
+    scenarios = cfg.scenarios.model_copy(update={"test": str(written), "n_test_scenarios": None}) \
         if written.is_file() else cfg.scenarios
-    return cfg.model_copy(update={"scenarios": scenarios,
-                                  "policy": cfg.policy.model_copy(update={"adapter": adapter})})
+    return cfg.model_copy(update={"scenarios": scenarios})
 
 
 def write_run_scenarios(run_dir: str | Path, split: RunSplit) -> Path:

@@ -411,7 +411,7 @@ def describe_reliability(report: Any) -> str:
                      f"(Cohen's κ {kappa:.2f} against annotator A: {strength}; κ {kappa_b:.2f} against "
                      f"annotator B; {report.validation['n_unparsed']} unparsed). "
                      + ("Treat its strategy mix as indicative only; configure a stronger annotator "
-                        "(`analysis.judge`) for research use." if not np.isfinite(kappa) or kappa < 0.6 else ""))
+                        "(`analysis.annotator`) for research use." if not np.isfinite(kappa) or kappa < 0.6 else ""))
     if report.self_agreement is not None:
         primary = report.self_agreement.set_index("field").loc["primary"]
         lines.append(f"Across {int(primary['pairs'])} seed pair(s) it repeats its own primary label on "

@@ -127,7 +127,8 @@ def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
 
     ``baseline`` evaluates the policy as configured (``policy.adapter`` if set);
     ``trained`` evaluates the adapter trained in this run, or ``policy.adapter``
-    when the run has no ``train`` stage.
+    when the run has no ``train`` stage: notebook 04 is given it as the override of
+    ``policy.adapter``, the one key that names the adapter to evaluate.
     """
     folder = RunFolder(run_dir)
     adapter = str(folder.adapter) if "train" in cfg.stages else cfg.policy.adapter
@@ -138,12 +139,12 @@ def pipeline_stages(cfg: RunConfig, run_dir: Path) -> list[Stage]:
     every = [
         Stage("scenarios", "01_scenarios.ipynb", "01_scenarios.ipynb", marker(folder.scenarios("test"))),
         Stage("baseline", "04_evaluation.ipynb", "04_evaluation_baseline.ipynb",
-              marker(folder.eval_dir("baseline").summary),
-              {"label": "baseline", "adapter": cfg.policy.adapter}),
+              marker(folder.eval_dir("baseline").summary), {"label": "baseline"}),
         Stage("train", "03_training.ipynb", "03_training.ipynb",
               marker(folder.adapter_config), distributed=True),
         Stage("trained", "04_evaluation.ipynb", "04_evaluation_trained.ipynb",
-              marker(folder.eval_dir("trained").summary), {"label": "trained", "adapter": adapter}),
+              marker(folder.eval_dir("trained").summary),
+              {"label": "trained", "overrides": {"policy.adapter": adapter}}),
         Stage("analysis", "06_analysis.ipynb", "06_analysis.ipynb", None),
     ]
     return [s for s in every if s.name in cfg.stages]
@@ -223,9 +224,9 @@ def prepare_run_dir(cfg: RunConfig, params_file: str | None = None) -> tuple[Pat
 
     A run folder already holding a different resolved config raises
     :class:`ConfigError` (resuming must not silently change the experiment); change
-    ``run_name`` or delete the folder. A ``config.yaml`` that differs only in the keys
-    an older version wrote but never used (:data:`rlver_lib.params.UNUSED_KEYS`), in the
-    old names of stages (:data:`~rlver_lib.config.RENAMED_STAGES`) or in the order of its
+    ``run_name`` or delete the folder. A ``config.yaml`` that differs only in retired
+    keys (:data:`rlver_lib.params.RETIRED_KEYS`), in the keys an older version wrote but
+    never used (:data:`rlver_lib.params.UNUSED_KEYS`), in the old names of stages (:data:`~rlver_lib.config.RENAMED_STAGES`) or in the order of its
     keys is the same experiment: it is rewritten and the run resumes.
     """
     run_dir = cfg.run_dir.resolve()
