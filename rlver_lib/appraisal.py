@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Literal, Protocol, Sequence
 
 from rlver_lib.appraiser import SHIPPED, LearnedAppraisal
 from rlver_lib.backends import StructuredResult, UnusableOutput, answer_probability
+from rlver_lib.config import UserModelConfig
 
 Mood = Literal["S", "A", "B", "C", "F"]
 Difficulty = Literal["easy", "moderate", "hard"]
@@ -166,12 +167,11 @@ def expected_change(p_content: Sequence[float], p_guard: float, *, center: float
 # the outputs' schemas and parsers
 
 
-def structured_schemas(sim_cfg: Any) -> dict[str, dict[str, Any]]:
+def structured_schemas(sim_cfg: UserModelConfig) -> dict[str, dict[str, Any]]:
     """The JSON schemas a simulator of this config sends, by call: ``reply`` (without
     ``reasoning`` after a mode whose reply writes none), ``opening`` and, for a sampled
-    mode, ``appraise`` (:meth:`AppraisalMode.schemas`; a config without ``appraisal`` is
-    ``first_person``)."""
-    return appraisal_mode(getattr(sim_cfg, "appraisal", "first_person")).schemas(sim_cfg)
+    mode, ``appraise`` (:meth:`AppraisalMode.schemas`)."""
+    return appraisal_mode(sim_cfg.appraisal).schemas(sim_cfg)
 
 
 # ---------------------------------------------------------------------------
@@ -254,7 +254,7 @@ class AppraisingUser(Protocol):
     (:class:`~rlver_lib.simulator.UserSimulator`): its config and the two ways of asking
     its backend, each rendering the mode's own prompts and fitting them to the context."""
 
-    cfg: Any
+    cfg: UserModelConfig
 
     def sampled_appraisals(self, requests: Sequence[Any], mode: SampledMode) -> Appraised:
         """A sampled JSON appraisal of each request (the mode's prompt files, schema and parse)."""
@@ -298,11 +298,11 @@ class AppraisalMode(ABC):
     def appraise(self, user: AppraisingUser, requests: Sequence[Any]) -> Appraised:
         """Appraise each request's last reply (histories end with it); see :data:`Appraised`."""
 
-    def appraise_schema(self, cfg: Any) -> dict[str, Any] | None:
+    def appraise_schema(self, cfg: UserModelConfig) -> dict[str, Any] | None:
         """The JSON schema of its sampled appraise output (``None``: it samples none)."""
         return None
 
-    def schemas(self, cfg: Any) -> dict[str, dict[str, Any]]:
+    def schemas(self, cfg: UserModelConfig) -> dict[str, dict[str, Any]]:
         """The JSON schemas a simulator of ``cfg`` sends in this mode, by call: ``reply``,
         ``opening`` and, when it samples one, ``appraise``."""
         schemas = {"reply": reply_schema(cfg.appraisal_chars, cfg.message_chars, reasoning=self.reasoning),
@@ -323,7 +323,7 @@ class AppraisalMode(ABC):
         return name in self.config_fields or not any(
             name in mode.config_fields for mode in APPRAISAL_MODES.values())
 
-    def identity_constants(self, cfg: Any) -> dict[str, Any]:
+    def identity_constants(self, cfg: UserModelConfig) -> dict[str, Any]:
         """Constants of the code that shape this mode's answers, recorded in a judge's identity."""
         return {}
 
@@ -350,7 +350,7 @@ class SampledMode(AppraisalMode):
     def appraise(self, user: AppraisingUser, requests: Sequence[Any]) -> Appraised:
         return user.sampled_appraisals(requests, self)
 
-    def appraise_schema(self, cfg: Any) -> dict[str, Any]:
+    def appraise_schema(self, cfg: UserModelConfig) -> dict[str, Any]:
         return _appraisal_schema(cfg.appraisal_chars, self.scale)
 
     def parse(self, text: str) -> dict[str, Any]:
@@ -399,16 +399,16 @@ class ExpectedMode(AppraisalMode):
     def appraise(self, user: AppraisingUser, requests: Sequence[Any]) -> Appraised:
         return user.checklist_appraisals(requests, self)
 
-    def question_keys(self, cfg: Any) -> list[str]:
+    def question_keys(self, cfg: UserModelConfig) -> list[str]:
         """The content questions asked (``expected_questions``; the guard is always asked)."""
         return list(cfg.expected_questions)
 
-    def answer_orders(self, cfg: Any) -> tuple[str, ...]:
+    def answer_orders(self, cfg: UserModelConfig) -> tuple[str, ...]:
         """The orders the two answers are named in (``expected_answer_order``; ``both``: two)."""
         return ("yes_no", "no_yes") if cfg.expected_answer_order == "both" else (cfg.expected_answer_order,)
 
     def read_out(self, questions: Sequence[Any], orders: Sequence[str],
-                 answers: dict[tuple[str, str], dict[str, float]], cfg: Any) -> dict[str, Any]:
+                 answers: dict[tuple[str, str], dict[str, float]], cfg: UserModelConfig) -> dict[str, Any]:
         """The appraisal record of one request from its answered checklist (``questions``:
         ``ChecklistQuestion``; ``answers``: the top log-probs by (question key, order)):
         per question P(yes) in each answer order and their mean (the order's position bias
@@ -427,7 +427,7 @@ class ExpectedMode(AppraisalMode):
         return {"mode": "expected", "checklist": rows, "content_score": sum(content) / len(content),
                 "guard": guard, "center": center, "scale": cfg.expected_scale, "change": change}
 
-    def identity_constants(self, cfg: Any) -> dict[str, Any]:
+    def identity_constants(self, cfg: UserModelConfig) -> dict[str, Any]:
         return {"expected_difficulty_shift": DIFFICULTY_SHIFT[cfg.difficulty],
                 "expected_top_logprobs": self.top_logprobs}
 
@@ -454,7 +454,7 @@ class LearnedMode(AppraisalMode):
         return (list(requests), [0] * len(requests), self.appraiser(requests),
                 [StructuredResult() for _ in requests])
 
-    def identity_constants(self, cfg: Any) -> dict[str, Any]:
+    def identity_constants(self, cfg: UserModelConfig) -> dict[str, Any]:
         """The sha256 of the shipped appraiser file (``None`` when it is missing)."""
         try:
             return {"learned_appraiser_sha256": hashlib.sha256(SHIPPED.read_bytes()).hexdigest()}

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from rlver_lib.appraisal import APPRAISAL_MODES, AppraisalMode, Difficulty, appraisal_mode, mood_for
 from rlver_lib.backends import Conversation
+from rlver_lib.config import UserModelConfig
 
 
 @dataclass
@@ -242,7 +243,7 @@ def opening_messages(scenario: Any) -> Conversation:
     ]
 
 
-def prompt_files(sim_cfg: Any) -> list[str]:
+def prompt_files(sim_cfg: UserModelConfig) -> list[str]:
     """The prompt files (names in ``rlver_lib/prompts``) a simulator of this config reads,
     sorted: its appraisal mode's own files
     (:meth:`~rlver_lib.appraisal.AppraisalMode.own_prompt_files`: a sampled mode's
@@ -252,7 +253,7 @@ def prompt_files(sim_cfg: Any) -> list[str]:
     (system, vocabulary, reply, opening, and any added later), in both languages; no
     other mode's or difficulty's texts. A judge's identity fingerprints them
     (:attr:`rlver_lib.evaluation.judge.Judge.description`)."""
-    own = appraisal_mode(getattr(sim_cfg, "appraisal", "first_person")).own_prompt_files(sim_cfg.difficulty)
+    own = appraisal_mode(sim_cfg.appraisal).own_prompt_files(sim_cfg.difficulty)
     kinds = sorted({kind for mode in APPRAISAL_MODES.values() for kind in mode.prompt_patterns})
     names = sorted(e.name for e in resources.files("rlver_lib").joinpath("prompts").iterdir()
                    if e.name.startswith("sim_"))

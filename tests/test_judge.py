@@ -9,11 +9,10 @@ import json
 import threading as _threading
 from contextlib import contextmanager as _contextmanager
 from pathlib import Path as _Path
-from types import SimpleNamespace as _NS
 
 import pytest
 
-from rlver_lib.config import EvaluationConfig
+from rlver_lib.config import EvaluationConfig, JudgeConfig
 
 
 def test_mixed_judges_are_refused():
@@ -40,15 +39,15 @@ _PROMPTS = _Path(__file__).resolve().parents[1] / "rlver_lib" / "prompts"
 
 
 def _judge_ns(**overrides):
-    """A judge config as a plain namespace: works whatever fields the pydantic config has today."""
+    """A judge config (``JudgeConfig``): its sampling settings, caps and n_ctx off their defaults."""
     fields = {"backend": "openai", "model": "judge-alias", "base_url": "http://judge.invalid/v1",
-              "api_key_env": "OPENAI_API_KEY", "difficulty": "moderate", "initial_emotion": 40,
+              "api_key_env": "OPENAI_API_KEY", "difficulty": "moderate",
               "temperature": 0.7, "top_p": 0.9, "top_k": 7, "min_p": 0.02, "repetition_penalty": 1.1,
               "presence_penalty": 0.3, "frequency_penalty": -0.2, "max_new_tokens": 512, "max_retries": 3,
               "timeout_s": 180.0, "concurrency": 64, "n_threads": None, "n_ctx": 8192, "appraisal_chars": 1200,
               "message_chars": 900, "appraisal": "sage", "seed": None}
     fields.update(overrides)
-    return _NS(**fields)
+    return JudgeConfig(**fields)
 
 
 def _sha_of_files(names):
@@ -77,30 +76,6 @@ def test_a_judges_description_records_every_sampling_setting_cap_and_n_ctx():
                        "frequency_penalty": 0.0, "top_p": 1.0, "n_ctx": 4096, "message_chars": 400}.items():
         assert Judge(_judge_ns(**{key: value}), 11).description[key] == value
         assert Judge(_judge_ns(**{key: value}), 11).description != d, key
-
-
-def test_a_judges_description_reads_missing_fields_with_defaults():
-    """A config written before the sampling fields and the appraisal mode existed (or one
-    spelling llama.cpp's ``repeat_penalty``) is still described."""
-    from rlver_lib.evaluation.judge import Judge
-
-    old = _judge_ns()
-    for name in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                 "appraisal"):
-        delattr(old, name)
-    d = Judge(old, 0).description
-    assert (d["top_p"], d["top_k"], d["min_p"], d["repetition_penalty"], d["presence_penalty"],
-            d["frequency_penalty"], d["appraisal"]) == (1.0, 0, 0.0, 1.0, 0.0, 0.0, "first_person")
-    spelled = _judge_ns(repeat_penalty=1.3)
-    delattr(spelled, "repetition_penalty")
-    assert Judge(spelled, 0).description["repetition_penalty"] == 1.3
-    # the real config, before or after its sampling fields were added
-    from rlver_lib.config import JudgeConfig
-
-    cfg = JudgeConfig(backend="openai", base_url="http://h/v1", model="m")
-    d = Judge(cfg, 0).description
-    assert d["top_k"] == getattr(cfg, "top_k", 0) and d["min_p"] == getattr(cfg, "min_p", 0.0)
-    assert d["n_ctx"] == cfg.n_ctx and d["appraisal_chars"] == cfg.appraisal_chars
 
 
 def test_a_judges_description_expected_settings_only_for_the_expected_appraisal():

@@ -20,14 +20,13 @@ import pandas as pd
 from rlver_lib import character
 from rlver_lib.appraisal import FAILURE_EMOTION, SUCCESS_EMOTION
 from rlver_lib.backends import ChatBackend, derive_seed
-from rlver_lib.config import SamplingParams
+from rlver_lib.config import EvaluationConfig, SamplingParams
 from rlver_lib.files import EvalFolder, atomic_write_json, atomic_write_text, write_jsonl
 from rlver_lib.records import DialogueView, dialogue_view
 from rlver_lib.rollout import parse_think, policy_messages, run_rollouts
 from rlver_lib.stats import Estimate, cluster_bootstrap_ci
 
 BREAKDOWN_FACTORS = ("hidden_intention", "personality", "language")
-PROTOCOLS = ("full", "sage")
 
 
 def transcript_protocol(views: Sequence[DialogueView]) -> dict[str, Any]:
@@ -297,7 +296,7 @@ def run_benchmark(
     policy_backend: ChatBackend,
     simulator: Any,
     scenarios: Sequence[Any],
-    eval_cfg: Any,
+    eval_cfg: EvaluationConfig,
     *,
     sampling: SamplingParams,
     think: bool,
@@ -375,13 +374,11 @@ def run_benchmark(
     return BenchmarkResult(label, records, summary, folder.root)
 
 
-def protocol_description(eval_cfg: Any) -> dict[str, Any]:
+def protocol_description(eval_cfg: EvaluationConfig) -> dict[str, Any]:
     """The protocol a benchmark follows: ``name``, ``initial_emotion``, ``max_policy_turns``,
     ``appraised_turns`` (per capped dialogue) and ``repeats``."""
-    name = getattr(eval_cfg, "protocol", "full")
-    if name not in PROTOCOLS:
-        raise ValueError(f"unknown evaluation protocol {name!r}; expected one of {PROTOCOLS}")
+    name = eval_cfg.protocol
     return {"name": name, "initial_emotion": int(eval_cfg.initial_emotion),
             "max_policy_turns": int(eval_cfg.max_turns),
             "appraised_turns": int(eval_cfg.max_turns) - (1 if name == "sage" else 0),
-            "repeats": int(getattr(eval_cfg, "repeats", 1))}
+            "repeats": eval_cfg.repeats}

@@ -14,11 +14,12 @@ import json
 import os
 from importlib import resources
 from pathlib import Path
-from types import MappingProxyType, TracebackType
-from typing import Any, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Sequence
 
 from rlver_lib.appraisal import appraisal_mode, structured_schemas
 from rlver_lib.backends import close_backend
+from rlver_lib.config import EvaluationConfig, JudgeConfig
 from rlver_lib.models import build_simulator
 from rlver_lib.user_prompts import prompt_files
 
@@ -31,22 +32,14 @@ class JudgeMismatchError(ValueError):
 
 
 #: Judge settings that do not change what the judge answers (how often it retries, how
-#: long it waits, how many dialogues it serves at once, where its API key lives), the
-#: start emotion (only a training simulator's config has one; judge configs of earlier
-#: versions carried it, unused: the benchmark sets its own) and the seed (recorded as the
-#: seed it samples with).  Every other field of a judge config is part of its identity.
-_JUDGE_OPERATIONAL = frozenset({"max_retries", "timeout_s", "concurrency", "n_threads", "api_key_env",
-                                "initial_emotion", "seed"})
+#: long it waits, how many dialogues it serves at once, where its API key lives) and the
+#: seed (recorded as the seed it samples with).  Every other field of a judge config
+#: (:class:`~rlver_lib.config.JudgeConfig`) is part of its identity.
+_JUDGE_OPERATIONAL = frozenset({"max_retries", "timeout_s", "concurrency", "n_threads", "api_key_env", "seed"})
 #: How a judge reads first in reports and summaries; the other fields follow sorted.
 _JUDGE_FIRST = ("backend", "model", "base_url", "difficulty", "appraisal", "temperature", "top_p", "top_k",
                 "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "max_new_tokens",
                 "n_ctx", "appraisal_chars", "message_chars")
-#: Settings read with a default, so a config written before the field existed is still
-#: described (the values a field-less config meant: no sampling cut, no penalty, the
-#: first-person appraisal).
-_JUDGE_DEFAULTS: Mapping[str, Any] = MappingProxyType({"top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                                                      "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                                                      "frequency_penalty": 0.0, "appraisal": "first_person"})
 #: Per served model, the fields of ``GET /v1/models`` that identify it (``created`` and
 #: ``permission`` change from call to call and are left out).
 _SERVED_MODEL_FIELDS = ("id", "owned_by", "root", "parent", "max_model_len", "meta")
@@ -189,7 +182,7 @@ class Judge:
     its simulator's backend, a server it started or an HTTP client.
     """
 
-    def __init__(self, config: Any, seed: int) -> None:
+    def __init__(self, config: JudgeConfig, seed: int) -> None:
         self.config = config
         self.seed = int(seed)
         #: What the judge's server answered (:func:`served_model_identity`): ``None``
@@ -198,11 +191,11 @@ class Judge:
         self._simulator: Any = None
 
     @classmethod
-    def from_config(cls, eval_cfg: Any, run_seed: int) -> Judge:
+    def from_config(cls, eval_cfg: EvaluationConfig, run_seed: int) -> Judge:
         """The judge of an ``evaluation`` section: ``eval_cfg.judge``, seeded with
         ``evaluation.judge.seed``, else the run's seed ``run_seed``."""
-        seed = getattr(eval_cfg.judge, "seed", None)
-        return cls(eval_cfg.judge, run_seed if seed is None else int(seed))
+        seed = eval_cfg.judge.seed
+        return cls(eval_cfg.judge, run_seed if seed is None else seed)
 
     def __enter__(self) -> Judge:
         return self
@@ -249,8 +242,7 @@ class Judge:
         every config field that shapes its answers (all but :data:`_JUDGE_OPERATIONAL`):
         backend, model, base URL, difficulty, appraisal mode, every sampling setting
         (temperature, ``top_p``, ``top_k``, ``min_p``, the repetition, presence and
-        frequency penalties; read with the defaults of :data:`_JUDGE_DEFAULTS` where a
-        config lacks them), token budget, ``n_ctx``, the field caps, the ``expected_*``
+        frequency penalties), token budget, ``n_ctx``, the field caps, the ``expected_*``
         settings of an ``expected`` appraisal (with the code's
         ``expected_difficulty_shift`` and ``expected_top_logprobs``); plus ``seed``,
         ``prompt_files`` and ``prompts_sha256`` (the prompt files it reads, so an edited
@@ -260,12 +252,8 @@ class Judge:
         judge_cfg = self.config
         if judge_cfg.backend == "rule":
             return {"backend": "rule", "change_function": "default_change_fn"}
-        fields = dict(judge_cfg.model_dump()) if hasattr(judge_cfg, "model_dump") else dict(vars(judge_cfg))
-        if "repetition_penalty" not in fields and "repeat_penalty" in fields:
-            fields["repetition_penalty"] = fields.pop("repeat_penalty")
-        fields = {**_JUDGE_DEFAULTS, **fields}
-        mode = appraisal_mode(str(fields["appraisal"]))
-        kept = {k: v for k, v in fields.items()
+        mode = appraisal_mode(judge_cfg.appraisal)
+        kept = {k: v for k, v in judge_cfg.model_dump().items()
                 if k not in _JUDGE_OPERATIONAL and mode.keeps_field(k)}
         described = {k: kept.pop(k) for k in _JUDGE_FIRST if k in kept}
         described.update(sorted(kept.items()))

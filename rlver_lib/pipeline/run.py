@@ -226,8 +226,9 @@ def prepare_run_dir(cfg: RunConfig, params_file: str | None = None) -> tuple[Pat
     :class:`ConfigError` (resuming must not silently change the experiment); change
     ``run_name`` or delete the folder. A ``config.yaml`` that differs only in retired
     keys (:data:`rlver_lib.params.RETIRED_KEYS`), in the keys an older version wrote but
-    never used (:data:`rlver_lib.params.UNUSED_KEYS`), in the old names of stages (:data:`~rlver_lib.config.RENAMED_STAGES`) or in the order of its
-    keys is the same experiment: it is rewritten and the run resumes.
+    never used (:data:`rlver_lib.params.UNUSED_KEYS`), in the old names of stages
+    (:data:`~rlver_lib.config.RENAMED_STAGES`) or in the order of its keys is the same
+    experiment: it is rewritten and the run resumes.
     """
     run_dir = cfg.run_dir.resolve()
     config_path = RunFolder(run_dir).config
