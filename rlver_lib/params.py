@@ -101,8 +101,8 @@ RETIRED_KEYS: dict[str, Retired] = {
 what replaced it}`` (docs/ARCHITECTURE.md "Config conventions"). A params file or
 override that sets one is refused, naming what to write instead; a run folder's saved
 ``config.yaml`` written since that date is read through it, entry by entry in this
-order (:func:`upgrade_run_config`), so the run reads as it ran. Run folders written
-before it are refused, naming the first key they hold that this version does not know."""
+order (:func:`upgrade_run_config`), so the run reads as it ran. Older run folders are
+not promised: one holding a key retired before that date is refused, naming the key."""
 
 UNUSED_KEYS: dict[str, str] = {
     "evaluation.judge.initial_emotion": "the judge never used it: the benchmark starts at evaluation.initial_emotion",
