@@ -29,17 +29,20 @@ $(BIN)/rlver: pyproject.toml
 
 # llama.cpp's llama-server for the simulated user, compiled for THIS CPU's instruction
 # sets (AVX2 / AVX-512 ...; never -march=native, never AMX); reused while the CPU
-# matches its stamp, rebuilt otherwise (see rlver_lib/native.py).
-native: $(BIN)/rlver
-	$(BIN)/python -m rlver_lib.native build
+# matches its stamp, rebuilt otherwise (see rlver_lib/native.py). The build needs only
+# Python's standard library, so it runs with $(PYTHON), beside the pip installs.
+native:
+	RLVER_NATIVE_DIR=$(abspath $(VENV))/llama.cpp $(PYTHON) -m rlver_lib.native build
 
-doctor: native
+doctor: native $(BIN)/rlver
 	$(BIN)/rlver doctor
 
-# set-up ends with `rlver doctor` (a smoke generation of each embedded model, each in
-# its own process) whenever the native build is new: a build that does not fit the
-# CPU fails here, naming the signal, not ten minutes into the tests
-setup: native
+# set-up compiles llama-server while pip installs (two jobs), then ends with `rlver
+# doctor` (a smoke generation of each embedded model, each in its own process) whenever
+# the native build is new: a build that does not fit the CPU fails here, naming the
+# signal, not ten minutes into the tests
+setup:
+	$(MAKE) --no-print-directory -j2 native $(BIN)/rlver
 	cmp -s $(VENV)/llama.cpp/build.json $(VENV)/.doctor-ok || \
 	  { $(BIN)/rlver doctor && cp $(VENV)/llama.cpp/build.json $(VENV)/.doctor-ok; }
 
