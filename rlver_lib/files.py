@@ -155,15 +155,21 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 @dataclass(frozen=True)
-class RunFolder:
-    """Every path of a run folder (docs/ARCHITECTURE.md "Run folder"), named once:
-    ``RunFolder(cfg.run_dir).eval_dir("trained").summary``. Paths only; nothing is
-    created or read here."""
+class Folder:
+    """A folder whose files are named by the subclass's properties, under ``root``
+    (any path-like, kept as a :class:`~pathlib.Path`). Paths only."""
 
     root: Path
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
+
+
+@dataclass(frozen=True)
+class RunFolder(Folder):
+    """Every path of a run folder (docs/ARCHITECTURE.md "Run folder"), named once:
+    ``RunFolder(cfg.run_dir).eval_dir("trained").summary``. Paths only; nothing is
+    created or read here."""
 
     @property
     def config(self) -> Path:
@@ -293,16 +299,11 @@ class RunFolder:
 
 
 @dataclass(frozen=True)
-class EvalFolder:
+class EvalFolder(Folder):
     """One benchmark's files: ``eval/<label>/`` of a run folder (:meth:`RunFolder.eval_dir`),
     or any folder a benchmark is written to (``out_dir`` of
     :func:`rlver_lib.evaluation.benchmark.run_benchmark`). docs/ARCHITECTURE.md "Run
     folder". Paths only."""
-
-    root: Path
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))
 
     @property
     def dialogues(self) -> Path:
@@ -346,15 +347,10 @@ class EvalFolder:
 
 
 @dataclass(frozen=True)
-class AblationFolder:
+class AblationFolder(Folder):
     """An ablation's folder, ``<output_root>/<grid name>/`` (RLVER §5): the grid file,
     one run folder per cell, and the comparison's notebook and report where a run keeps
     its own (:class:`RunFolder`). Paths only."""
-
-    root: Path
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))
 
     @property
     def grid(self) -> Path:
@@ -382,14 +378,9 @@ class AblationFolder:
 
 
 @dataclass(frozen=True)
-class CheckpointFolder:
+class CheckpointFolder(Folder):
     """Our files in one checkpoint folder, ``train/checkpoints/step_NNNNNN/``, beside
     what accelerate saves there (:mod:`rlver_lib.checkpoint`). Paths only."""
-
-    root: Path
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))
 
     @property
     def adapter(self) -> Path:
