@@ -18,12 +18,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import spearmanr
 
-from rlver_lib.appraiser import RECIPE, Embedder, fit_head, save_appraiser, stamp, turn_features
+from rlver_lib.appraiser import (BLIND_INPUTS, FEATURE_RECIPE, RECIPE, Embedder, fit_head, save_appraiser, stamp,
+                                 turn_features)
 from rlver_lib.evaluation.agreement import load_replay
 from rlver_lib.evaluation.agreement_stats import agreement_metrics, first_turn_block, partial_block
 from rlver_lib.evaluation.reply_blind import crossfit_reply_blind, file_of, reply_blind_predictors
 from rlver_lib.files import atomic_write_json
+from rlver_lib.stats import cluster_bootstrap
 
 
 def folds(turns, scenarios):
@@ -36,12 +39,16 @@ def folds(turns, scenarios):
     return files, halves
 
 
-def held_out(x, y, files, halves, fit, predict):
+def held_out(x, y, files, halves, fit, predict, *, by_model=True):
+    """Each turn predicted by a head fitted on the other persona half and (``by_model``)
+    the other files only.  Without ``by_model`` one head scores every model's reply to a
+    profile, which the first-turn test needs: with model-disjoint folds its within-profile
+    ranks would compare three heads' offsets, not replies."""
     out = np.full(y.size, np.nan)
-    for f in np.unique(files):
+    for f in np.unique(files) if by_model else [None]:
         for h in (0, 1):
-            test = (files == f) & (halves == h)
-            train = (files != f) & (halves != h)
+            test = (halves == h) & ((files == f) if by_model else True)
+            train = (halves != h) & ((files != f) if by_model else True)
             out[test] = predict(fit(x[train], y[train]), x[test])
     return out
 
@@ -59,7 +66,9 @@ def ngram_predictions(turns, y, files, halves):
     return held_out(texts, y, files, halves, fit, lambda m, tx: np.clip(m[1].predict(m[0].transform(tx)), -10, 10))
 
 
-def row(name, pred, y, turns, boosted, clusters, boot):
+def row(name, pred, y, turns, boosted, clusters, boot, *, twin=None, persona_folds=None):
+    """One table row; ``twin``: the reply-blind twin's predictions (partial given them);
+    ``persona_folds``: predictions from persona-only folds (the first-turn test on them)."""
     m = agreement_metrics(y, pred, clusters, **boot)
     before = np.array([t.emotion_before for t in turns], dtype=float)
     first = first_turn_block(pred, y, turns, **boot)
@@ -67,7 +76,24 @@ def row(name, pred, y, turns, boosted, clusters, boot):
                                                  "mae", "mae_ci")},
             "partial_given_emotion": partial_block(pred, y, before, clusters, **boot),
             "partial_given_boosted": partial_block(pred, y, boosted, clusters, **boot),
-            "first_turn": first, "share_negative": m["share_negative"]["judge"]}
+            "partial_given_twin": None if twin is None else partial_block(pred, y, twin, clusters, **boot),
+            "first_turn": first, "share_negative": m["share_negative"]["judge"],
+            "first_turn_persona_folds": None if persona_folds is None else first_turn_block(
+                persona_folds, y, turns, **boot)}
+
+
+def over_twin(learned, twin, y, clusters, boot):
+    """What reading the texts adds: learned minus its reply-blind twin, in Spearman (up
+    is better) and MAE (down is better), each with a bootstrap interval over dialogues."""
+    def rho(pred):
+        return lambda i: spearmanr(pred[i], y[i]).statistic
+
+    out = {}
+    for name, stat in (("spearman", lambda i: rho(learned)(i) - rho(twin)(i)),
+                       ("mae", lambda i: np.mean(np.abs(learned[i] - y[i])) - np.mean(np.abs(twin[i] - y[i])))):
+        est = cluster_bootstrap(stat, y.size, clusters, **boot)
+        out[name] = {"value": est.value, "ci": [est.low, est.high]}
+    return out
 
 
 def main() -> int:
@@ -82,7 +108,7 @@ def main() -> int:
     y = np.array([t.recorded_change for t in turns], dtype=float)
     shas = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
     data_key = hashlib.sha256(str(sorted(shas.items())).encode()).hexdigest()[:12]
-    cache = Path("outputs") / f"appraiser-features-{stamp()[:12]}-{data_key}.npz"
+    cache = Path("outputs") / f"appraiser-features-{stamp(FEATURE_RECIPE)[:12]}-{data_key}.npz"
     if cache.is_file():
         saved = np.load(cache)
         x, cuts, seconds = saved["x"], int(saved["cuts"]), float(saved["seconds"])
@@ -96,36 +122,50 @@ def main() -> int:
         cache.parent.mkdir(exist_ok=True)
         np.savez(cache, x=x, cuts=cuts, seconds=seconds)
     files, halves = folds(turns, scenarios)
-    learned = held_out(x, y, files, halves, fit_head, lambda h, tx: h.predict(tx))
+    def blind(tx, ty):
+        return fit_head(tx, ty, BLIND_INPUTS)
+
+    def predict(h, tx):
+        return h.predict(tx)
+
+    learned = held_out(x, y, files, halves, fit_head, predict)
+    twin = held_out(x, y, files, halves, blind, predict)
+    learned_p = held_out(x, y, files, halves, fit_head, predict, by_model=False)
+    twin_p = held_out(x, y, files, halves, blind, predict, by_model=False)
     ngram = ngram_predictions(turns, y, files, halves)
     boosted = crossfit_reply_blind(turns, turns)
     clusters = [t.dialogue for t in turns]
     boot = dict(n_boot=args.boot, seed=0)
     fixed = reply_blind_predictors(turns)
-    rows = [row("learned appraiser", learned, y, turns, boosted, clusters, boot),
+    rows = [row("learned appraiser", learned, y, turns, boosted, clusters, boot, twin=twin, persona_folds=learned_p),
+            row("reply-blind twin (same head, covariates only)", twin, y, turns, boosted, clusters, boot,
+                persona_folds=twin_p),
             row("char-n-gram ridge (baseline)", ngram, y, turns, boosted, clusters, boot),
             row("reply-blind: gradient-boosted", boosted, y, turns, boosted, clusters, boot),
             row("reply-blind: +-5 threshold rule", fixed["threshold_rule"], y, turns, boosted, clusters, boot)]
+    gain = over_twin(learned, twin, y, clusters, boot)
     fold_scores = {}
     for f in np.unique(files):
         for h in (0, 1):
             idx = np.flatnonzero((files == f) & (halves == h))
-            from scipy.stats import spearmanr
             fold_scores[f"{f}|personas-{h}"] = {"n_turns": int(idx.size),
                                                 "spearman": float(spearmanr(learned[idx], y[idx]).statistic),
                                                 "mae": float(np.mean(np.abs(learned[idx] - y[idx])))}
     head = fit_head(x, y)
     save_appraiser(Path(args.out), head, {"data_sha256": shas, "n_turns": len(turns), "fold_scores": fold_scores})
     result = {"recipe": RECIPE, "n_turns": len(turns), "n_dialogues": len(set(clusters)), "texts_cut": cuts,
-              "seconds_per_reply_features": seconds, "rows": rows, "fold_scores": fold_scores}
+              "seconds_per_reply_features": seconds, "rows": rows,
+              "learned_minus_twin": gain, "fold_scores": fold_scores}
     Path(args.json).parent.mkdir(exist_ok=True)
     atomic_write_json(Path(args.json), result)
     for r in rows:
-        ft = r["first_turn"]
-        print(f"{r['name']:34s} rho {r['spearman']:.2f} {r['spearman_ci']}, sign {r['sign_agreement']:.2f}, "
-              f"MAE {r['mae']:.2f}, partial|emotion {r['partial_given_emotion']}, partial|boosted "
-              f"{r['partial_given_boosted']}, first-turn {ft and ft['judge']} (length {ft and ft['reply_length']}),"
-              f" negative {r['share_negative']:.2f}")
+        ft, fp = r["first_turn"], r["first_turn_persona_folds"]
+        print(f"{r['name']:34s} rho {r['spearman']:.2f} {r['spearman_ci']}, sign {r['sign_agreement']:.3f} "
+              f"{r['sign_agreement_ci']}, MAE {r['mae']:.2f} {r['mae_ci']}, partial|emotion "
+              f"{r['partial_given_emotion']}, partial|boosted {r['partial_given_boosted']}, partial|twin "
+              f"{r['partial_given_twin']}, first-turn {ft and ft['judge']} (length {ft and ft['reply_length']}),"
+              f" first-turn persona folds {fp and fp['judge']}, negative {r['share_negative']:.2f}")
+    print(f"learned minus its reply-blind twin: {gain}")
     print(f"written: {args.out}, {args.json}")
     return 0
 

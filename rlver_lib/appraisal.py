@@ -433,7 +433,7 @@ class ExpectedMode(AppraisalMode):
 
 
 class LearnedMode(AppraisalMode):
-    """``learned``: no model call; a ridge head on the simulator model's embeddings
+    """``learned``: no model call; a logistic head on the simulator model's embeddings
     (:class:`~rlver_lib.appraiser.LearnedAppraisal`, its feature recipe
     :data:`~rlver_lib.appraiser.RECIPE`, the file read in :meth:`prepare`, so a missing,
     corrupt or foreign file fails before any dialogue). The reply writes no reasoning."""

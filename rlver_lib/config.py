@@ -191,7 +191,7 @@ class UserModelConfig(EndpointConfig):
     natural-language guard. ``expected`` is not the default: with the embedded model its
     center, calibrated on SAGE's Chinese turns, does not transfer to held-out SAGE
     turns or to English replies (docs/MEASURED.md). ``learned`` makes no model call: a
-    ridge head on the simulator model's embeddings (``rlver_lib.appraiser``). Each mode is
+    logistic head on the simulator model's embeddings (``rlver_lib.appraiser``). Each mode is
     one class of ``rlver_lib.appraisal.APPRAISAL_MODES``; the names allowed here are its
     keys (a test checks that they agree).
     ``expected_questions``: the checklist's content questions (``on_situation``: the reply

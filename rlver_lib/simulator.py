@@ -17,7 +17,7 @@ mood, with an ``end_conversation`` flag). How it appraises is its appraisal mode
   tied to the scenario's hidden intention (:func:`~rlver_lib.user_prompts.checklist`), each
   answered by reading P(yes) from the model's next-token distribution (one prefill, no
   sampling), combined into a real-valued change (:func:`~rlver_lib.appraisal.expected_change`);
-- ``learned`` (:class:`~rlver_lib.appraisal.LearnedMode`): no model call, a ridge head on the
+- ``learned`` (:class:`~rlver_lib.appraisal.LearnedMode`): no model call, a logistic head on the
   simulator model's embeddings (:mod:`rlver_lib.appraiser`).
 
 A mode appraises through the two ways this simulator asks its backend

@@ -6,11 +6,9 @@ import json
 
 import numpy as np
 import pytest
-from sklearn.linear_model import RidgeCV
 
 from rlver_lib import appraiser
 from rlver_lib.appraiser import (
-    ALPHAS,
     WINDOW,
     AppraiserFileError,
     Embedder,
@@ -44,23 +42,67 @@ def test_pooling_keeps_the_last_window_tokens_and_counts_the_cut():
     assert cuts == 1
 
 
-def test_head_is_ridge_on_standardised_features_and_clamps():
+def _rows(rng, n=120, d=5):
+    """turn_features-like rows: 3 pooled texts of d dims, then the 4 covariates."""
+    texts = rng.normal(size=(n, 3 * d))
+    cov = np.column_stack([rng.uniform(0, 100, n), rng.choice([-5.0, 5.0], n), rng.integers(0, 5, n),
+                           rng.integers(20, 400, n)])
+    return np.hstack([texts, cov])
+
+
+def test_head_is_multinomial_logistic_on_first_components_covariates_and_cosines():
+    from sklearn.decomposition import PCA
+    from sklearn.linear_model import LogisticRegression
+
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(80, 3)) * [1.0, 10.0, 0.1] + 5
-    y = 4 * x[:, 0] - 0.2 * x[:, 1] + rng.normal(size=80)
+    x, d = _rows(rng), 5
+    latent = x[:, 10] + 0.02 * (x[:, 15] - 50) + rng.normal(size=120)
+    y = np.array([-10.0, -5.0, 5.0, 10.0])[np.digitize(latent, np.quantile(latent, [0.25, 0.5, 0.75]))]
+    y += rng.choice([-2.0, 0.0, 1.0], 120)  # off SAGE's values: each joins the nearest class
+    y[0] = 0.0  # equidistant from -5 and +5: joins the lower
     head = fit_head(x, y)
-    z = (x - x.mean(0)) / x.std(0)
-    ref = RidgeCV(alphas=ALPHAS).fit(z, y)
-    np.testing.assert_allclose(head.predict(x), np.clip(ref.predict(z), -10, 10))
-    assert head.predict(np.array([[1e3, 0, 0]]))[0] == 10.0
+    # by hand: PCA(1) of each text, log(1 + chars), the two cosines, standardised
+    profile, user, reply = x[:, :d], x[:, d:2 * d], x[:, 2 * d:3 * d]
+    pcs = [PCA(1).fit(b).transform(b)[:, 0] for b in (profile, user, reply)]
+    cos = [(reply * b).sum(1) / np.linalg.norm(reply, axis=1) / np.linalg.norm(b, axis=1) for b in (user, profile)]
+    z = np.column_stack([*pcs, x[:, 15:18], np.log(1 + x[:, 18]), *cos])
+    z = (z - z.mean(0)) / z.std(0)
+    labels = np.select([y < -7.5, y <= 0, y < 7.5], [-10.0, -5.0, 5.0], 10.0)  # nearest of -10, -5, 5, 10
+    ref = LogisticRegression(C=0.1, max_iter=5000).fit(z, labels)
+    # a PCA axis's sign is arbitrary: compare what does not depend on it
+    np.testing.assert_allclose(head.probabilities(x), ref.predict_proba(z), atol=1e-4)
+    assert list(head.classes) == [-10.0, -5.0, 5.0, 10.0]
+
+
+def test_prediction_is_the_median_class_plus_a_hundredth_of_the_mean():
+    p = np.array([0.3, 0.1, 0.4, 0.2])  # cumulative 0.3, 0.4, 0.8: median +5; mean -3 - 0.5 + 2 + 2 = 0.5
+    head = appraiser.Appraiser(np.zeros((3, 1)), np.ones((3, 1)), np.arange(9), np.zeros(9), np.ones(9),
+                               np.zeros((4, 9)), np.log(p), np.array([-10.0, -5.0, 5.0, 10.0]))
+    assert head.predict(np.ones((1, 7)))[0] == pytest.approx(5.005)
+
+
+def test_the_reply_blind_twin_never_reads_the_texts():
+    rng = np.random.default_rng(2)
+    x = _rows(rng)
+    x[:, 10] *= 5  # the reply's first dimension: its first principal axis, and it decides
+    y = np.where(x[:, 10] > 0, 5.0, -5.0)
+    other = x.copy()
+    other[:, :15] = rng.normal(size=(120, 15))
+    twin = fit_head(x, y, appraiser.BLIND_INPUTS)
+    np.testing.assert_array_equal(twin.predict(x), twin.predict(other))
+    full = fit_head(x, y)
+    assert np.mean(np.sign(full.predict(x)) == np.sign(y)) > 0.8 > np.mean(np.sign(twin.predict(x)) == np.sign(y))
+    with pytest.raises(ValueError, match="unknown inputs"):
+        fit_head(x, y, ("reply_length",))
 
 
 def test_file_round_trip_and_its_refusals(tmp_path):
-    head = fit_head(np.eye(4), np.array([1.0, -2.0, 3.0, 0.0]))
+    x = _rows(np.random.default_rng(3), n=40)
+    head = fit_head(x, np.resize([10.0, -5.0, 5.0, -10.0], 40))
     path = tmp_path / "a.json"
     save_appraiser(path, head, {"fold_scores": {}})
     again = load_appraiser(path)
-    np.testing.assert_allclose(again.predict(np.eye(4)), head.predict(np.eye(4)))
+    np.testing.assert_allclose(again.predict(x), head.predict(x))
     with pytest.raises(AppraiserFileError, match=r"missing\.json: no appraiser file; rebuild it with: python"):
         load_appraiser(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
@@ -83,7 +125,7 @@ def test_the_shipped_file_loads():
     if not appraiser.SHIPPED.is_file():
         pytest.fail(f"{appraiser.SHIPPED} is not shipped; rebuild it with: {appraiser.REBUILD}")
     head = load_appraiser()
-    assert head.coef.ndim == 1 and head.coef.size == head.mean.size
+    assert head.coef.shape == (4, len(appraiser.INPUTS)) and head.axes.shape == (3, 1536)
     assert appraiser.SHIPPED.stat().st_size < 1_000_000
 
 
@@ -101,7 +143,8 @@ def test_learned_appraisal_predicts_from_pooled_texts_and_its_own_previous_chang
 
     e = _embedder()
     rng = np.random.default_rng(1)
-    head = fit_head(rng.normal(size=(30, 10)), rng.normal(size=30) * 20)  # 3 texts x 2 dims + 4 covariates
+    x = np.hstack([rng.normal(size=(30, 6)), rng.uniform(1, 100, size=(30, 4))])  # 3 texts x 2 dims + 4 covariates
+    head = fit_head(x, rng.normal(size=30) * 20)
     save_appraiser(tmp_path / "h.json", head, {})
     learned = LearnedAppraisal(tmp_path / "h.json")
     learned.embedder = e
