@@ -20,8 +20,16 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from rlver_lib.appraiser import (BLIND_INPUTS, FEATURE_RECIPE, RECIPE, Embedder, fit_head, save_appraiser, stamp,
-                                 turn_features)
+from rlver_lib.appraiser import (
+    BLIND_INPUTS,
+    FEATURE_RECIPE,
+    RECIPE,
+    Embedder,
+    fit_head,
+    save_appraiser,
+    stamp,
+    turn_features,
+)
 from rlver_lib.evaluation.agreement import load_replay
 from rlver_lib.evaluation.agreement_stats import agreement_metrics, first_turn_block, partial_block
 from rlver_lib.evaluation.reply_blind import crossfit_reply_blind, file_of, reply_blind_predictors
