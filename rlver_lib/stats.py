@@ -8,7 +8,9 @@ permutation test: exact, over all 2**n sign patterns, only while
 ``2**n <= n_resamples + 1``, so up to n = 13 with the default 9,999 resamples; Monte
 Carlo above, see :func:`sign_flip_method`), :func:`sign_test`,
 :func:`paired_difference` (both tests and the interval of the mean difference),
-:func:`partial_spearman` (rank partial correlation) and :func:`format_p` (a p-value in
+:func:`partial_spearman` (rank partial correlation) with
+:func:`permutation_test_partial` (its within-dialogue permutation test),
+:func:`cohen_kappa` (agreement of two labellings) and :func:`format_p` (a p-value in
 words, a Monte Carlo floor as a bound).
 Training curves (per-step intervals clustered by scenario) are
 :func:`rlver_lib.analysis.runs.curve_with_ci`, built on :func:`cluster_bootstrap_ci`.
@@ -31,6 +33,9 @@ import pandas as pd
 MIN_N = 10
 """Below this many independent units (scenarios, dialogues) an interval, a p-value or
 a correlation says little; reports leave it out or grey it and say why."""
+
+#: Default number of within-dialogue permutations of :func:`permutation_test_partial`.
+N_PERMUTATIONS = 2000
 
 
 @dataclass(frozen=True)
@@ -366,6 +371,70 @@ def partial_spearman(x: Sequence[float], y: Sequence[float], z: Sequence[float])
         return float("nan")
     rz = rankdata(z)
     return float(row_corr(residuals_on(rankdata(x), rz), residuals_on(rankdata(y), rz)))
+
+
+def permutation_test_partial(judge: Sequence[float], recorded: Sequence[float], before: Sequence[float],
+                             clusters: Sequence[Any], *, n_resamples: int = N_PERMUTATIONS,
+                             seed: int = 0) -> float | None:
+    """Two-sided p-value of :func:`partial_spearman` ``(judge, recorded | before)`` under
+    a permutation of the judge's changes within each dialogue (all inputs shape (n,);
+    ``clusters`` names each turn's dialogue).
+
+    What it tests: the null hypothesis that, inside each dialogue, the judge's changes
+    are exchangeable across the dialogue's turns, i.e. which of its turns got which of
+    the judge's changes carries no information about SAGE's recorded change or the
+    emotion before.  Each resample shuffles the judge's changes among the turns of every
+    dialogue independently (``numpy.random.default_rng(seed)``; the recorded changes and
+    emotions stay in place), so every dialogue keeps its own set of judged changes and
+    their mean level: agreement that only comes from the judge scoring whole dialogues
+    higher or lower (dialogue-level agreement, or the streaks that the emotion before
+    carries) is kept under the null and cannot make p small; only turn-by-turn
+    agreement within dialogues can.  Dialogues of one turn take part unchanged.
+
+    Returns ``(1 + #{|stat_perm| >= |stat_obs|}) / (n_resamples + 1)`` (in (0, 1]; ties
+    within rounding count as at least as extreme), or ``None`` when the observed
+    statistic is NaN.  Raises ``ValueError`` for ``n_resamples < 1`` or mismatched lengths.
+    """
+    from scipy.stats import rankdata
+
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+    j, r, z = (np.asarray(v, dtype=float) for v in (judge, recorded, before))
+    if j.ndim != 1 or not (j.shape == r.shape == z.shape) or len(clusters) != j.size:
+        raise ValueError("permutation_test_partial needs 1-D inputs of the same length")
+    observed = partial_spearman(j, r, z)
+    if not np.isfinite(observed):
+        return None
+    rz = rankdata(z)
+    rj = rankdata(j)  # ranks of a permuted vector = the permuted ranks
+    fixed = residuals_on(rankdata(r), rz)
+    rng = np.random.default_rng(seed)
+    permuted = np.tile(rj, (n_resamples, 1))
+    groups: dict[Any, list[int]] = {}
+    for i, c in enumerate(clusters):
+        groups.setdefault(c, []).append(i)
+    for members in groups.values():  # dialogues in order of first appearance
+        if len(members) > 1:
+            permuted[:, members] = rj[rng.permuted(np.tile(members, (n_resamples, 1)), axis=1)]
+    stats = row_corr(residuals_on(permuted, rz), fixed)
+    extreme = np.count_nonzero(np.abs(np.nan_to_num(stats, nan=0.0)) >= abs(observed) - 1e-12)
+    return float((1 + extreme) / (n_resamples + 1))
+
+
+def cohen_kappa(a: Sequence[Any], b: Sequence[Any]) -> float:
+    """Cohen's kappa of two labellings (Cohen 1960), sklearn's
+    :func:`sklearn.metrics.cohen_kappa_score`: (p_o - p_e) / (1 - p_e), with p_o the
+    observed agreement and p_e = sum_k p_a(k) p_b(k) the chance agreement.  Labels are
+    compared as strings.  Returns NaN when p_e = 1 (both raters use one and the same
+    label throughout).  Raises ``ValueError`` on empty or unequal-length inputs."""
+    from sklearn.metrics import cohen_kappa_score
+
+    if len(a) != len(b) or not len(a):
+        raise ValueError("cohen_kappa needs two non-empty labellings of equal length")
+    sa, sb = [str(v) for v in a], [str(v) for v in b]
+    if len(set(sa) | set(sb)) == 1:  # p_e = 1: kappa is 0/0
+        return float("nan")
+    return float(cohen_kappa_score(sa, sb))
 
 
 def format_p(p: float | None, method: str = "") -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import numpy as np
@@ -23,10 +22,10 @@ from rlver_lib.evaluation.agreement import (
     sample_dialogues,
     sample_turns,
 )
-from rlver_lib.evaluation.agreement_stats import agreement_metrics, bucket, permutation_test_partial
+from rlver_lib.evaluation.agreement_stats import agreement_metrics, bucket
 from rlver_lib.evaluation.reply_blind import reply_blind_predictors
 from rlver_lib.simulator import SimulatorTurn
-from rlver_lib.stats import cluster_bootstrap, partial_spearman
+from rlver_lib.stats import cluster_bootstrap, partial_spearman, permutation_test_partial
 
 SCENE = "## 剧本背景故事\n王小云和朋友吵架了。\n####隐藏主题:\n***你希望对方用心倾听你的情绪宣泄"
 
@@ -287,44 +286,6 @@ def test_partial_spearman_interval_resamples_dialogues():
                             [t.dialogue for t in turns], n_boot=300, seed=4)
     assert result["partial_spearman_ci"] == pytest.approx([est.low, est.high])
     assert result["partial_spearman_ci"][0] < result["partial_spearman"] < result["partial_spearman_ci"][1]
-
-
-def test_permutation_p_against_exact_enumeration_within_dialogues():
-    # two dialogues of four turns: all 4! * 4! = 576 within-dialogue permutations by hand
-    judge = np.array([8, 4, 7, 3, -3, 1, -5, -10.0])  # dialogue b judged lower throughout
-    recorded = np.array([5, 10, -5, -10, 5, 5, -10, -5.0])
-    before = np.array([37, 53, 54, 21, 29, 22, 58, 28.0])
-    clusters = ["a"] * 4 + ["b"] * 4
-    observed = _formula_partial(judge, recorded, before)
-    stats = [_formula_partial(np.concatenate([judge[:4][list(p)], judge[4:][list(q)]]), recorded, before)
-             for p in itertools.permutations(range(4)) for q in itertools.permutations(range(4))]
-    exact = np.mean(np.abs(stats) >= abs(observed) - 1e-12)
-    assert exact == pytest.approx(59 / 576)  # neither tiny nor 1
-    p = permutation_test_partial(judge, recorded, before, clusters, n_resamples=4000, seed=0)
-    assert p == pytest.approx(exact, abs=0.025)
-    assert permutation_test_partial(judge, recorded, before, clusters, n_resamples=4000, seed=0) == p  # seeded
-    # a global shuffle (across dialogues) is a different test and gives a different answer here
-    rng = np.random.default_rng(0)
-    glob = [_formula_partial(rng.permutation(judge), recorded, before) for _ in range(2000)]
-    assert abs(np.mean(np.abs(glob) >= abs(observed) - 1e-12) - exact) > 0.05
-
-
-def test_permutation_p_sees_only_within_dialogue_agreement():
-    rng = np.random.default_rng(3)
-    clusters = np.repeat(np.arange(10), 3).tolist()
-    recorded = rng.choice([-10, -5, 5, 10], size=30).astype(float)
-    before = rng.integers(0, 101, size=30).astype(float)
-    # a judge that gives each dialogue SAGE's mean change for it: agreement between dialogues only
-    level = np.repeat([recorded[i:i + 3].mean() for i in range(0, 30, 3)], 3)
-    stat = partial_spearman(level, recorded, before)
-    assert abs(stat) > 0.3
-    assert permutation_test_partial(level, recorded, before, clusters, n_resamples=300, seed=0) == 1.0
-    # a judge that follows SAGE turn by turn: the smallest p the resamples allow
-    assert permutation_test_partial(recorded + 0.1 * before / 100, recorded, before, clusters,
-                                    n_resamples=300, seed=0) == pytest.approx(1 / 301)
-    assert permutation_test_partial(np.zeros(30), recorded, before, clusters) is None  # constant judge
-    with pytest.raises(ValueError):
-        permutation_test_partial(recorded, recorded, before, clusters, n_resamples=0)
 
 
 def test_judge_agreement_records_the_permutation_test():

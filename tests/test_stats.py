@@ -1,4 +1,4 @@
-"""Resampling statistics (rlver_lib.stats), checked against hand computations and scipy."""
+"""Statistics (rlver_lib.stats), checked against hand computations, scipy and exact enumeration."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ from rlver_lib.stats import (
     bootstrap_ci,
     cluster_bootstrap,
     cluster_bootstrap_ci,
+    cohen_kappa,
     paired_difference,
+    partial_spearman,
     pearson,
+    permutation_test_partial,
     residuals_within,
     sign_flip_method,
     sign_flip_test,
@@ -197,3 +200,64 @@ def test_residuals_within_removes_each_groups_mean():
     np.testing.assert_allclose(residuals_within(v[0], groups), expected[0])
     np.testing.assert_allclose(residuals_within(v[0], None), v[0] - v[0].mean())
 
+
+def test_cohen_kappa_hand_computed():
+    # 2x2 table: both yes 20, a yes/b no 5, a no/b yes 10, both no 15 (n=50)
+    a = ["y"] * 25 + ["n"] * 25
+    b = ["y"] * 20 + ["n"] * 5 + ["y"] * 10 + ["n"] * 15
+    p_o, p_e = 35 / 50, 0.5 * 0.6 + 0.5 * 0.4
+    assert cohen_kappa(a, b) == pytest.approx((p_o - p_e) / (1 - p_e))  # 0.4
+    assert cohen_kappa(a, b) == pytest.approx(0.4)
+    # three labels: diagonal 4+3+1 of 10; marginals a (5,3,2), b (4,4,2)
+    a3 = list("xxxxxyyyzz")
+    b3 = list("xxxxyyyxzy")  # x:x x4, x:y 1, y:y 2... checked below by counting
+    p_o3 = sum(u == v for u, v in zip(a3, b3)) / 10
+    pa = {k: a3.count(k) / 10 for k in "xyz"}
+    pb = {k: b3.count(k) / 10 for k in "xyz"}
+    p_e3 = sum(pa[k] * pb[k] for k in "xyz")
+    assert (p_o3, p_e3) == pytest.approx((0.7, 0.5 * 0.5 + 0.3 * 0.4 + 0.2 * 0.1))
+    assert cohen_kappa(a3, b3) == pytest.approx((0.7 - 0.39) / (1 - 0.39))
+    assert cohen_kappa(["x", "y"], ["x", "y"]) == pytest.approx(1.0)
+    assert np.isnan(cohen_kappa(["x", "x"], ["x", "x"]))
+    with pytest.raises(ValueError):
+        cohen_kappa(["x"], [])
+
+
+def test_permutation_p_against_exact_enumeration_within_dialogues():
+    # two dialogues of four turns: all 4! * 4! = 576 within-dialogue permutations by hand
+    # (the reference statistic, partial_spearman, is checked against the textbook formula
+    # in test_agreement.py; the exact count 59/576 pins it here too)
+    judge = np.array([8, 4, 7, 3, -3, 1, -5, -10.0])  # dialogue b judged lower throughout
+    recorded = np.array([5, 10, -5, -10, 5, 5, -10, -5.0])
+    before = np.array([37, 53, 54, 21, 29, 22, 58, 28.0])
+    clusters = ["a"] * 4 + ["b"] * 4
+    observed = partial_spearman(judge, recorded, before)
+    stats = [partial_spearman(np.concatenate([judge[:4][list(p)], judge[4:][list(q)]]), recorded, before)
+             for p in itertools.permutations(range(4)) for q in itertools.permutations(range(4))]
+    exact = np.mean(np.abs(stats) >= abs(observed) - 1e-12)
+    assert exact == pytest.approx(59 / 576)  # neither tiny nor 1
+    p = permutation_test_partial(judge, recorded, before, clusters, n_resamples=4000, seed=0)
+    assert p == pytest.approx(exact, abs=0.025)
+    assert permutation_test_partial(judge, recorded, before, clusters, n_resamples=4000, seed=0) == p  # seeded
+    # a global shuffle (across dialogues) is a different test and gives a different answer here
+    rng = np.random.default_rng(0)
+    glob = [partial_spearman(rng.permutation(judge), recorded, before) for _ in range(2000)]
+    assert abs(np.mean(np.abs(glob) >= abs(observed) - 1e-12) - exact) > 0.05
+
+
+def test_permutation_p_sees_only_within_dialogue_agreement():
+    rng = np.random.default_rng(3)
+    clusters = np.repeat(np.arange(10), 3).tolist()
+    recorded = rng.choice([-10, -5, 5, 10], size=30).astype(float)
+    before = rng.integers(0, 101, size=30).astype(float)
+    # a judge that gives each dialogue SAGE's mean change for it: agreement between dialogues only
+    level = np.repeat([recorded[i:i + 3].mean() for i in range(0, 30, 3)], 3)
+    stat = partial_spearman(level, recorded, before)
+    assert abs(stat) > 0.3
+    assert permutation_test_partial(level, recorded, before, clusters, n_resamples=300, seed=0) == 1.0
+    # a judge that follows SAGE turn by turn: the smallest p the resamples allow
+    assert permutation_test_partial(recorded + 0.1 * before / 100, recorded, before, clusters,
+                                    n_resamples=300, seed=0) == pytest.approx(1 / 301)
+    assert permutation_test_partial(np.zeros(30), recorded, before, clusters) is None  # constant judge
+    with pytest.raises(ValueError):
+        permutation_test_partial(recorded, recorded, before, clusters, n_resamples=0)

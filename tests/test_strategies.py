@@ -1,5 +1,5 @@
 """The strategy taxonomy and its annotator (rlver_lib.analysis.strategies): the schema and
-prompt, parsing, the rule annotator, retries, kappa, self-agreement and agreement with the
+prompt, parsing, the rule annotator, retries, self-agreement and agreement with the
 shipped labelled set, the strategy mix."""
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from rlver_lib.analysis.strategies import (
     annotation_conversation,
     annotation_schema,
     annotator_validation,
-    cohen_kappa,
     labelled_set_agreement,
     load_labelled_set,
     parse_annotation,
@@ -41,6 +40,7 @@ from rlver_lib.analysis.strategies import (
 )
 from rlver_lib.backends import Generation
 from rlver_lib.pipeline.report import describe_reliability
+from rlver_lib.stats import cohen_kappa
 
 
 def test_taxonomy_covers_the_paper_dimensions_and_strategy_mix():
@@ -128,28 +128,6 @@ def test_annotate_strategies_retries_then_marks_unparsed():
     assert annotator.calls == 3
     with pytest.raises(ValueError):
         annotate_strategies(annotator, ["a"], user_messages=["x", "y"])
-
-
-def test_cohen_kappa_hand_computed():
-    # 2x2 table: both yes 20, a yes/b no 5, a no/b yes 10, both no 15 (n=50)
-    a = ["y"] * 25 + ["n"] * 25
-    b = ["y"] * 20 + ["n"] * 5 + ["y"] * 10 + ["n"] * 15
-    p_o, p_e = 35 / 50, 0.5 * 0.6 + 0.5 * 0.4
-    assert cohen_kappa(a, b) == pytest.approx((p_o - p_e) / (1 - p_e))  # 0.4
-    assert cohen_kappa(a, b) == pytest.approx(0.4)
-    # three labels: diagonal 4+3+1 of 10; marginals a (5,3,2), b (4,4,2)
-    a3 = list("xxxxxyyyzz")
-    b3 = list("xxxxyyyxzy")  # x:x x4, x:y 1, y:y 2... checked below by counting
-    p_o3 = sum(u == v for u, v in zip(a3, b3)) / 10
-    pa = {k: a3.count(k) / 10 for k in "xyz"}
-    pb = {k: b3.count(k) / 10 for k in "xyz"}
-    p_e3 = sum(pa[k] * pb[k] for k in "xyz")
-    assert (p_o3, p_e3) == pytest.approx((0.7, 0.5 * 0.5 + 0.3 * 0.4 + 0.2 * 0.1))
-    assert cohen_kappa(a3, b3) == pytest.approx((0.7 - 0.39) / (1 - 0.39))
-    assert cohen_kappa(["x", "y"], ["x", "y"]) == pytest.approx(1.0)
-    assert np.isnan(cohen_kappa(["x", "x"], ["x", "x"]))
-    with pytest.raises(ValueError):
-        cohen_kappa(["x"], [])
 
 
 def test_self_agreement_across_seeds():

@@ -23,6 +23,7 @@ from rlver_lib.config import AnnotatorConfig, RunConfig, SamplingParams
 from rlver_lib.files import iter_jsonl
 from rlver_lib.models import make_simulator_backend
 from rlver_lib.plots import level_colours, new_figure
+from rlver_lib.stats import cohen_kappa
 
 # --------------------------------------------------------------------------- strategy taxonomy
 
@@ -386,24 +387,10 @@ def plot_strategy_use(use: pd.DataFrame, by: str = "source") -> Figure:
 # --------------------------------------------------------------------------- annotator reliability
 
 
-def cohen_kappa(a: Sequence[Any], b: Sequence[Any]) -> float:
-    """Cohen's kappa of two labellings: (p_o - p_e) / (1 - p_e), with p_o the observed
-    agreement and p_e = sum_k p_a(k) p_b(k) the chance agreement (Cohen 1960).
-    Returns NaN when p_e = 1 (both raters use one and the same label throughout).
-    Raises ``ValueError`` on empty or unequal-length inputs."""
-    if len(a) != len(b) or not len(a):
-        raise ValueError("cohen_kappa needs two non-empty labellings of equal length")
-    sa, sb = pd.Series(list(a)).astype(str), pd.Series(list(b)).astype(str)
-    p_o = float((sa.values == sb.values).mean())
-    pa, pb = sa.value_counts(normalize=True), sb.value_counts(normalize=True)
-    p_e = float((pa * pb.reindex(pa.index, fill_value=0)).sum())
-    return float("nan") if p_e == 1 else (p_o - p_e) / (1 - p_e)
-
-
 def agreement_table(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
     """Agreement of two annotation tables of the same replies (row i with row i), one row
     per field of :data:`ANNOTATION_FIELDS`: ``field, agreement`` (share equal), ``kappa``
-    (:func:`cohen_kappa`), ``n``.  Rows unparsed in either table are left out."""
+    (:func:`rlver_lib.stats.cohen_kappa`), ``n``.  Rows unparsed in either table are left out."""
     ok = (a["primary"] != UNPARSED).to_numpy() & (b["primary"] != UNPARSED).to_numpy()
     rows = []
     for key in ANNOTATION_FIELDS:

@@ -39,13 +39,11 @@ from tqdm.auto import tqdm
 
 from rlver_lib.appraisal import apply_change
 from rlver_lib.evaluation.agreement_stats import (
-    N_PERMUTATIONS,
     agreement_metrics,
     baseline_metrics,
     first_turn_block,
     fold_blocks,
     partial_block,
-    permutation_test_partial,
 )
 from rlver_lib.evaluation.judge import Judge
 from rlver_lib.evaluation.reply_blind import (
@@ -57,7 +55,7 @@ from rlver_lib.evaluation.reply_blind import (
 from rlver_lib.files import JsonlError, atomic_write_json, iter_jsonl
 from rlver_lib.params import build_config, load_config
 from rlver_lib.scenarios import ScenarioFileError, load_scenarios
-from rlver_lib.stats import MIN_N, format_p
+from rlver_lib.stats import MIN_N, N_PERMUTATIONS, format_p, permutation_test_partial
 from rlver_lib.user_prompts import SimulatorRequest
 
 #: Default number of dialogues ``rlver judge-agreement`` draws (:func:`sample_dialogues`).

@@ -3,8 +3,8 @@
 resample dialogues (:func:`agreement_metrics`, :func:`baseline_metrics`), bucketed
 confusion tables, the partial Spearman given a reply-blind prediction
 (:func:`partial_block`), the first-turn test (:func:`first_turn_block`), statistics per
-fold (:func:`fold_blocks`) and the within-dialogue permutation test of the partial
-(:func:`permutation_test_partial`).  Used by
+fold (:func:`fold_blocks`); the within-dialogue permutation test of the partial is
+:func:`rlver_lib.stats.permutation_test_partial`.  Used by
 :func:`rlver_lib.evaluation.agreement.judge_agreement`; turns are its ``ReplayTurn``
 (read by attribute).  Nothing like this exists in SAGE or RLVER.
 """
@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from rlver_lib.evaluation.reply_blind import BASELINES, file_of, first_turn_spearman
-from rlver_lib.stats import cluster_bootstrap, partial_spearman, pearson, residuals_on, row_corr, spearman
+from rlver_lib.stats import cluster_bootstrap, partial_spearman, pearson, spearman
 
 #: Buckets of a real-valued emotion change: (label, low, high, low closed, high closed).
 #: Half-open where they meet, so every real number falls in exactly one:
@@ -29,10 +29,6 @@ BUCKETS: tuple[tuple[str, float, float, bool, bool], ...] = (
     ("[-0.5,0.5]", -0.5, 0.5, True, True), ("(0.5,4.5)", 0.5, 4.5, False, False),
     ("[4.5,inf)", 4.5, np.inf, True, True),
 )
-
-
-#: Default number of within-dialogue permutations of :func:`permutation_test_partial`.
-N_PERMUTATIONS = 2000
 
 
 def bucket(change: float) -> str:
@@ -195,51 +191,3 @@ def fold_blocks(judged: np.ndarray, recorded: np.ndarray, boosted: np.ndarray | 
             block["partial_given_boosted"] = partial_block(judged[idx], recorded[idx], boosted[idx], clusters, **boot)
         out[name] = block
     return out
-
-
-def permutation_test_partial(judge: Sequence[float], recorded: Sequence[float], before: Sequence[float],
-                             clusters: Sequence[Any], *, n_resamples: int = N_PERMUTATIONS,
-                             seed: int = 0) -> float | None:
-    """Two-sided p-value of :func:`partial_spearman` ``(judge, recorded | before)`` under
-    a permutation of the judge's changes within each dialogue (all inputs shape (n,);
-    ``clusters`` names each turn's dialogue).
-
-    What it tests: the null hypothesis that, inside each dialogue, the judge's changes
-    are exchangeable across the dialogue's turns, i.e. which of its turns got which of
-    the judge's changes carries no information about SAGE's recorded change or the
-    emotion before.  Each resample shuffles the judge's changes among the turns of every
-    dialogue independently (``numpy.random.default_rng(seed)``; the recorded changes and
-    emotions stay in place), so every dialogue keeps its own set of judged changes and
-    their mean level: agreement that only comes from the judge scoring whole dialogues
-    higher or lower (dialogue-level agreement, or the streaks that the emotion before
-    carries) is kept under the null and cannot make p small; only turn-by-turn
-    agreement within dialogues can.  Dialogues of one turn take part unchanged.
-
-    Returns ``(1 + #{|stat_perm| >= |stat_obs|}) / (n_resamples + 1)`` (in (0, 1]; ties
-    within rounding count as at least as extreme), or ``None`` when the observed
-    statistic is NaN.  Raises ``ValueError`` for ``n_resamples < 1`` or mismatched lengths.
-    """
-    from scipy.stats import rankdata
-
-    if n_resamples < 1:
-        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
-    j, r, z = (np.asarray(v, dtype=float) for v in (judge, recorded, before))
-    if j.ndim != 1 or not (j.shape == r.shape == z.shape) or len(clusters) != j.size:
-        raise ValueError("permutation_test_partial needs 1-D inputs of the same length")
-    observed = partial_spearman(j, r, z)
-    if not np.isfinite(observed):
-        return None
-    rz = rankdata(z)
-    rj = rankdata(j)  # ranks of a permuted vector = the permuted ranks
-    fixed = residuals_on(rankdata(r), rz)
-    rng = np.random.default_rng(seed)
-    permuted = np.tile(rj, (n_resamples, 1))
-    groups: dict[Any, list[int]] = {}
-    for i, c in enumerate(clusters):
-        groups.setdefault(c, []).append(i)
-    for members in groups.values():  # dialogues in order of first appearance
-        if len(members) > 1:
-            permuted[:, members] = rj[rng.permuted(np.tile(members, (n_resamples, 1)), axis=1)]
-    stats = row_corr(residuals_on(permuted, rz), fixed)
-    extreme = np.count_nonzero(np.abs(np.nan_to_num(stats, nan=0.0)) >= abs(observed) - 1e-12)
-    return float((1 + extreme) / (n_resamples + 1))
