@@ -76,7 +76,7 @@ FEATURE_RECIPE: dict[str, Any] = {
 CLASSES = (-10.0, -5.0, 5.0, 10.0)
 
 #: Inverse L2 penalty of the logistic head (sklearn's ``C``); chosen on the held-out
-#: folds of benchmarks/appraiser_fit.py, where 1 component a text beat 4-32 (docs/MEASURED.md).
+#: folds of benchmarks/appraiser_fit.py, where 1 component a text beat 32 (docs/MEASURED.md).
 PENALTY_C = 0.1
 
 #: Names of the head's inputs (:meth:`Appraiser.inputs`).
@@ -208,7 +208,7 @@ class Appraiser:
 
     def probabilities(self, x: np.ndarray) -> np.ndarray:
         """P(class) per row, shape (n, k), rows summing to 1."""
-        z = self.inputs(x)[:, self.columns.astype(int)]
+        z = self.inputs(x)[:, self.columns]
         logits = ((z - self.mean) / self.scale) @ self.coef.T + self.intercept
         logits -= logits.max(axis=1, keepdims=True)
         p = np.exp(logits)
@@ -278,7 +278,8 @@ def load_appraiser(path: Path = SHIPPED) -> Appraiser:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         found = data["stamp"]
-        head = Appraiser(*(np.asarray(data["head"][k], dtype=float) for k in _HEAD_FIELDS))
+        head = Appraiser(*(np.asarray(data["head"][k], dtype=int if k == "columns" else float)
+                           for k in _HEAD_FIELDS))
     except FileNotFoundError as err:
         raise AppraiserFileError(f"{path}: no appraiser file; rebuild it with: {REBUILD}") from err
     except (OSError, ValueError, KeyError, TypeError) as err:
