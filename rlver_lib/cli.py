@@ -3,6 +3,7 @@
     rlver run PARAMS.yaml [--set key=value ...]      pipeline notebooks -> outputs/<run>/report.html
     rlver ablate GRID.yaml [--set key=value ...]     every grid cell, then one comparison report
     rlver eval PARAMS.yaml [--set key=value ...]     the benchmark alone (base model or policy.adapter)
+    rlver seeds RUN_DIR [RUN_DIR ...] [--json OUT]   paired differences of several training seeds, pooled
     rlver sage-score FILE [FILE ...] [--json]        Sentient score of SAGE-format transcripts (and their protocol)
     rlver judge-agreement FILE [FILE ...] [options]  the benchmark judge against SAGE's stored judgements
     rlver scenarios validate FILE                    exit 0 when valid, else file/line/field named
@@ -19,11 +20,13 @@ environment, fixes ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` before any model li
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from rlver_lib.config import ConfigError, RunConfig
@@ -92,6 +95,32 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_seeds(args: argparse.Namespace) -> int:
+    from rlver_lib.analysis.runs import pooled_over_seeds
+    from rlver_lib.files import atomic_write_text
+
+    try:
+        result = pooled_over_seeds(args.runs)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"rlver seeds: {err}", file=sys.stderr)
+        return 2
+    from rlver_lib.stats import format_p
+
+    table, pooled = result["per_seed"], result["pooled"]
+    shown = table.drop(columns="p_method").assign(
+        p_value=[format_p(p, m) for p, m in zip(table["p_value"], table["p_method"])])
+    print(shown.to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+    print(f"pooled over {len(table)} seeds x {result['n_scenarios']} scenarios: {pooled.value:+.2f} "
+          f"[{pooled.low:+.2f}, {pooled.high:+.2f}] ({pooled.confidence:.0%} crossed bootstrap over seeds "
+          f"and scenarios); {int((table['ci_low'] > 0).sum())} of {len(table)} seeds with a CI above 0, "
+          f"{int((table['ci_high'] < 0).sum())} below")
+    if args.json:
+        atomic_write_text(Path(args.json), json.dumps({"per_seed": table.to_dict(orient="records"),
+                                                       "pooled": asdict(pooled),
+                                                       "n_scenarios": result["n_scenarios"]}, indent=2))
+    return 0
+
+
 def _cmd_judge_agreement(args: argparse.Namespace) -> int:
     configure_threads(None)
     from rlver_lib.evaluation.agreement import judge_agreement_command
@@ -153,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
         .set_defaults(func=_cmd_eval)
     with_params("ablate", "run every cell of an ablation grid, then compare", "grid") \
         .set_defaults(func=_cmd_ablate)
+
+    seeds = sub.add_parser("seeds", help="paired differences (eval/paired.json) of runs of one recipe "
+                           "trained with different seeds, per seed and pooled")
+    seeds.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders, e.g. outputs/laptop-ppo-seed*")
+    seeds.add_argument("--json", default=None, metavar="OUT", help="also write the figures as JSON to OUT")
+    seeds.set_defaults(func=_cmd_seeds)
 
     sage = sub.add_parser("sage-score", help="score SAGE-format transcript files")
     sage.add_argument("files", nargs="+")

@@ -8,6 +8,7 @@ permutation test: exact, over all 2**n sign patterns, only while
 ``2**n <= n_resamples + 1``, so up to n = 13 with the default 9,999 resamples; Monte
 Carlo above, see :func:`sign_flip_method`), :func:`sign_test`,
 :func:`paired_difference` (both tests and the interval of the mean difference),
+:func:`seed_pooled_ci` (paired differences of several training seeds, pooled),
 :func:`partial_spearman` (rank partial correlation) with
 :func:`permutation_test_partial` (its within-dialogue permutation test),
 :func:`cohen_kappa` (agreement of two labellings) and :func:`format_p` (a p-value in
@@ -161,6 +162,42 @@ def cluster_bootstrap(
     stats = np.array([statistic(np.concatenate([members[c] for c in row])) for row in idx], dtype=float)
     low, high = _percentiles(stats, confidence)
     return Estimate(float(statistic(np.arange(n_units))), low, high, confidence)
+
+
+def seed_pooled_ci(
+    differences: Sequence[Sequence[float]] | np.ndarray,
+    *,
+    n_boot: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Estimate:
+    """The mean of paired differences over training seeds and scenarios, with a crossed
+    bootstrap interval over both.
+
+    ``differences`` has shape (S, J): row s holds training seed s's per-scenario paired
+    differences (trained minus baseline) on the same J held-out scenarios, in the same
+    order.  The value is the mean of the seeds' mean differences (= the mean of all
+    S x J cells).  Each of ``n_boot`` resamples draws S seeds and, independently, J
+    scenarios with replacement (``default_rng(seed)``: seeds first, then scenarios) and
+    takes the mean of the drawn rows' drawn columns, so the interval carries both the
+    seed-to-seed spread of training and the scenario-to-scenario spread of the benchmark
+    (a crossed, "two-way" bootstrap; with S = 1 it is :func:`bootstrap_ci` over the
+    scenarios).  Raises ``ValueError`` on a ragged, empty or non-finite input.
+    """
+    try:
+        d = np.asarray(differences, dtype=float)
+    except ValueError as err:
+        raise ValueError(f"seed_pooled_ci needs one row of the same length per seed: {err}") from None
+    if d.ndim != 2 or d.size == 0 or not np.isfinite(d).all():
+        raise ValueError(f"seed_pooled_ci needs a finite (seeds, scenarios) array, got shape {d.shape}")
+    _check(n_boot, confidence)
+    n_seeds, n_scenarios = d.shape
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, n_seeds, size=(n_boot, n_seeds))
+    cols = rng.integers(0, n_scenarios, size=(n_boot, n_scenarios))
+    means = np.array([d[np.ix_(r, c)].mean() for r, c in zip(rows, cols)])
+    low, high = _percentiles(means, confidence)
+    return Estimate(float(d.mean()), low, high, confidence)
 
 
 def _sign_flip_exact(n: int, n_resamples: int) -> bool:

@@ -91,5 +91,23 @@ def test_every_documented_command_parses():
     parser = cli.build_parser()
     for argv in (["run", "p.yaml", "--set", "a=1", "--set", "b=2"], ["ablate", "g.yaml"],
                  ["eval", "p.yaml", "--set", "policy.adapter=x"], ["sage-score", "a", "b", "--json"],
-                 ["scenarios", "validate", "f.jsonl"], ["models", "prepare"]):
+                 ["scenarios", "validate", "f.jsonl"], ["models", "prepare"], ["seeds", "a", "b", "--json", "o"]):
         assert callable(parser.parse_args(argv).func)
+
+
+def test_seeds_prints_each_seed_and_the_pooled_difference_and_writes_json(tmp_path):
+    for name, diffs in (("s0", [2.0, 4.0]), ("s1", [0.0, 2.0])):
+        (tmp_path / name / "eval").mkdir(parents=True)
+        (tmp_path / name / "eval" / "paired.json").write_text(json.dumps({
+            "mean_diff": sum(diffs) / 2, "ci_low": 0.1, "ci_high": 5.0, "p_value": 0.0001,
+            "p_method": "Monte Carlo, 9999 resamples", "n_positive": 2, "n_scenarios": 2,
+            "baseline_score": 40.0, "trained_score": 42.0, "protocol": {},
+            "scenarios": [{"scenario_id": f"en-{i}", "diff": d} for i, d in enumerate(diffs)]}))
+    result = rlver("seeds", str(tmp_path / "s0"), str(tmp_path / "s1"), "--json", str(tmp_path / "o.json"))
+    assert result.returncode == 0, result.stderr
+    assert "pooled over 2 seeds x 2 scenarios: +2.00 [" in result.stdout
+    assert "p < 1e-4" in result.stdout and "2 of 2 seeds with a CI above 0" in result.stdout
+    saved = json.loads((tmp_path / "o.json").read_text())
+    assert saved["pooled"]["value"] == 2.0 and [r["run"] for r in saved["per_seed"]] == ["s0", "s1"]
+    missing = rlver("seeds", str(tmp_path / "s0"), str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "nope" in missing.stderr and "Traceback" not in missing.stderr

@@ -15,6 +15,7 @@ from rlver_lib.analysis.runs import (
     load_eval,
     load_metrics,
     load_training_dialogues,
+    pooled_over_seeds,
     rates_over_training,
     run_replies,
     sample_replies,
@@ -91,3 +92,42 @@ def test_run_replies_reads_evaluations_and_training(runs):
     assert replies["change"].tolist() == [10, 5, 20, 30]
     sample = sample_replies(replies, 1, seed=0)
     assert sample["source"].tolist() == ["step 1", "step 2"]
+
+
+# --------------------------------------------------------------------------- seeds pooled
+
+
+def _paired_run(root: Path, name: str, diffs: dict[str, float], protocol: dict | None = None) -> Path:
+    run = root / name
+    (run / "eval").mkdir(parents=True)
+    paired = {"mean_diff": sum(diffs.values()) / len(diffs), "ci_low": -1.0, "ci_high": 1.0, "p_value": 0.5,
+              "p_method": "exact", "n_positive": sum(v > 0 for v in diffs.values()), "n_scenarios": len(diffs),
+              "baseline_score": 40.0, "trained_score": 41.0, "protocol": protocol or {"max_policy_turns": 1},
+              "scenarios": [{"scenario_id": k, "diff": v} for k, v in diffs.items()]}
+    (run / "eval" / "paired.json").write_text(json.dumps(paired))
+    return run
+
+
+def test_pooled_over_seeds_pairs_scenarios_by_id_across_runs(tmp_path):
+    a = _paired_run(tmp_path, "s0", {"en-1": 1.0, "en-2": 3.0})
+    b = _paired_run(tmp_path, "s1", {"en-2": -2.0, "en-1": 4.0})  # other order: paired by id
+    out = pooled_over_seeds([a, b], n_boot=2000)
+    assert list(out["per_seed"]["run"]) == ["s0", "s1"] and out["n_scenarios"] == 2
+    assert out["pooled"].value == pytest.approx((1 + 3 + 4 - 2) / 4)
+    # the draws of the two seeds: (s0, s0) mean 2, (s1, s1) mean 1, mixed 1.5, each with
+    # the scenarios drawn too; a wrong pairing (s1's 4.0 with en-2) would give other means
+    assert -2.0 <= out["pooled"].low < out["pooled"].value < out["pooled"].high <= 4.0
+
+
+def test_pooled_over_seeds_refuses_runs_of_other_scenarios_protocols_or_twice(tmp_path):
+    a = _paired_run(tmp_path, "s0", {"en-1": 1.0, "en-2": 3.0})
+    b = _paired_run(tmp_path, "s1", {"en-1": 1.0, "en-3": 3.0})
+    c = _paired_run(tmp_path, "s2", {"en-1": 1.0, "en-2": 3.0}, protocol={"max_policy_turns": 3})
+    with pytest.raises(ValueError, match="different scenarios \\(en-2, en-3\\)"):
+        pooled_over_seeds([a, b])
+    with pytest.raises(ValueError, match="different protocols"):
+        pooled_over_seeds([a, c])
+    with pytest.raises(ValueError, match="more than once"):
+        pooled_over_seeds([a, tmp_path / "." / "s0"])
+    with pytest.raises(FileNotFoundError, match="no paired benchmark"):
+        pooled_over_seeds([a, tmp_path / "missing"])

@@ -18,6 +18,7 @@ from rlver_lib.stats import (
     pearson,
     permutation_test_partial,
     residuals_within,
+    seed_pooled_ci,
     sign_flip_method,
     sign_flip_test,
     sign_test,
@@ -261,3 +262,37 @@ def test_permutation_p_sees_only_within_dialogue_agreement():
     assert permutation_test_partial(np.zeros(30), recorded, before, clusters) is None  # constant judge
     with pytest.raises(ValueError):
         permutation_test_partial(recorded, recorded, before, clusters, n_resamples=0)
+
+
+# --------------------------------------------------------------------------- seeds pooled
+
+
+def test_seed_pooled_ci_carries_the_spread_between_seeds():
+    # each seed's differences are constant over the 5 scenarios (0, 3, 6): a resample's
+    # mean is the mean of 3 seeds drawn with replacement, so P(mean = 0) = P(mean = 6)
+    # = 1/27 = 3.7 % > 2.5 %: the 95 % interval is exactly [0, 6] around 3
+    d = np.repeat([[0.0], [3.0], [6.0]], 5, axis=1)
+    est = seed_pooled_ci(d, n_boot=4000, seed=1)
+    assert (est.value, est.low, est.high) == (3.0, 0.0, 6.0)
+
+
+def test_seed_pooled_ci_carries_the_spread_between_scenarios():
+    # identical seeds: only the scenario draw matters, so the interval is the plain
+    # bootstrap's over the scenarios (same width to sampling error), not a point
+    a = np.array([9.7, 3.8, 0.4, 2.8, 6.1, -1.2, 4.4, 5.0, 2.2, 7.9, 1.0, 3.3])
+    est = seed_pooled_ci(np.tile(a, (3, 1)), n_boot=4000, seed=2)
+    plain = bootstrap_ci(a, n_boot=4000, seed=3)
+    assert est.value == pytest.approx(a.mean())
+    assert est.low == pytest.approx(plain.low, abs=0.25) and est.high == pytest.approx(plain.high, abs=0.25)
+    assert est.high - est.low > 3.0
+
+
+def test_seed_pooled_ci_is_the_mean_of_the_seeds_means():
+    d = np.array([[1.0, 2.0, 6.0], [-3.0, 0.0, 0.0], [4.0, 4.0, 4.0]])  # seed means 3, -1, 4
+    assert seed_pooled_ci(d, n_boot=10).value == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("bad", [[[1.0, 2.0], [3.0]], [[]], [[1.0, float("nan")]], [1.0, 2.0]])
+def test_seed_pooled_ci_refuses_ragged_empty_or_non_finite_input(bad):
+    with pytest.raises(ValueError, match="seed_pooled_ci"):
+        seed_pooled_ci(bad)

@@ -21,7 +21,7 @@ from rlver_lib.files import RunFolder, iter_jsonl
 from rlver_lib.params import load_run_config
 from rlver_lib.plots import plot_emotion_trajectories, plot_paired_scenarios
 from rlver_lib.records import dialogue_view, load_records, policy_turns, scored_records
-from rlver_lib.stats import cluster_bootstrap_ci
+from rlver_lib.stats import cluster_bootstrap_ci, seed_pooled_ci
 
 # --------------------------------------------------------------------------- tables
 
@@ -246,6 +246,54 @@ def paired_report(run_dir: str | Path, *, top: int = 8) -> dict[str, Any] | None
              for side in ("baseline", "trained")]
     figure = plot_paired_scenarios(paired) if paired.get("scenarios") else None
     return {"figure": figure, **reply_changes(*sides, top=top)}
+
+
+def pooled_over_seeds(run_dirs: Sequence[str | Path], *, n_boot: int = 1000,
+                      seed: int = 0) -> dict[str, Any]:
+    """Paired benchmarks of the same recipe trained with different seeds, per seed and
+    pooled.
+
+    Reads each run's ``eval/paired.json``.  Returns ``{"per_seed": DataFrame, "pooled":
+    Estimate, "n_scenarios": J}``: ``per_seed`` has one row per run (``run, seed,
+    mean_diff, ci_low, ci_high, p_value, p_method, n_positive, n_scenarios,
+    baseline_score, trained_score``); ``pooled`` is :func:`rlver_lib.stats.seed_pooled_ci` of the
+    (runs, scenarios) differences (the mean of the seeds' paired differences, with an
+    interval over seeds and scenarios).  Raises ``FileNotFoundError`` for a run without
+    ``paired.json`` and ``ValueError`` when a folder is given twice, the runs did not benchmark the same
+    scenarios under the same protocol (the runs and scenarios named) or when a
+    ``paired.json`` has no per-scenario rows.
+    """
+    if not run_dirs:
+        raise ValueError("pooled_over_seeds needs at least one run folder")
+    resolved = [Path(r).resolve() for r in run_dirs]
+    twice = sorted({str(r) for r in run_dirs if resolved.count(Path(r).resolve()) > 1})
+    if twice:
+        raise ValueError(f"the same run folder given more than once: {', '.join(twice)}")
+    rows, diffs, first = [], [], None
+    for run_dir in run_dirs:
+        path = RunFolder(run_dir).paired
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no paired benchmark (the run needs its baseline and trained stages)")
+        paired = json.loads(path.read_text(encoding="utf-8"))
+        by_id = {row["scenario_id"]: row["diff"] for row in paired.get("scenarios") or []}
+        if not by_id:
+            raise ValueError(f"{path}: no per-scenario rows")
+        if first is None:
+            first = (run_dir, sorted(by_id), paired.get("protocol"))
+        elif sorted(by_id) != first[1]:
+            odd = sorted(set(by_id) ^ set(first[1]))
+            raise ValueError(f"{run_dir} and {first[0]} benchmarked different scenarios ({', '.join(odd)})")
+        elif paired.get("protocol") != first[2]:
+            raise ValueError(f"{run_dir} and {first[0]} benchmarked under different protocols: "
+                             f"{paired.get('protocol')} vs {first[2]}")
+        diffs.append([by_id[k] for k in first[1]])
+        cfg = run_config(run_dir)
+        rows.append({"run": run_name(Path(run_dir)), "seed": None if cfg is None else cfg.seed,
+                     **{k: paired[k] for k in ("mean_diff", "ci_low", "ci_high", "p_value", "p_method",
+                                               "n_positive", "n_scenarios", "baseline_score",
+                                               "trained_score")}})
+    return {"per_seed": pd.DataFrame(rows), "pooled": seed_pooled_ci(diffs, n_boot=n_boot, seed=seed),
+            "n_scenarios": len(first[1])}
 
 
 def run_replies(run_dir: str | Path) -> pd.DataFrame:
