@@ -180,9 +180,12 @@ def test_auto_dtype_is_bfloat16_only_where_the_hardware_computes_it(monkeypatch,
         assert model.get_input_embeddings().weight.dtype == getattr(torch, expected)
 
 
-def test_quickstart_and_laptop_recipes_leave_the_dtype_to_the_hardware():
-    for name in ("quickstart", "laptop-grpo", "laptop-ppo", "laptop-grpo-3turn"):
-        assert load_config(ROOT / "params" / f"{name}.yaml").policy.dtype == "auto", name
+def test_the_quickstart_leaves_the_dtype_to_the_hardware_and_learning_recipes_fix_float32():
+    # the learning claims must mean one recipe on every CPU (docs/MEASURED.md "Why the
+    # laptop GRPO run did not reproduce"); the quickstart only has to be quick
+    assert load_config(ROOT / "params" / "quickstart.yaml").policy.dtype == "auto"
+    for name in ("laptop-grpo", "laptop-ppo", "laptop-grpo-3turn", "laptop-grpo-reversed", "laptop-grpo-learned"):
+        assert load_config(ROOT / "params" / f"{name}.yaml").policy.dtype == "float32", name
     assert load_config(ROOT / "params" / "paper-ppo-think-moderate.yaml").policy.dtype == "bfloat16"
 
 
