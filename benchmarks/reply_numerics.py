@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import torch
 
 from rlver_lib.backends import derive_seed
-from rlver_lib.files import iter_jsonl
+from rlver_lib.files import EvalFolder, RunFolder, iter_jsonl
 from rlver_lib.models import load_policy, make_policy_backend
 from rlver_lib.params import load_run_config
 from rlver_lib.rollout import policy_messages
@@ -58,16 +58,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("eval_dir", type=Path, help="a benchmark folder, e.g. outputs/<run>/eval/baseline")
     ap.add_argument("--dtype", default=None, help="the policy's dtype (default: the run's policy.dtype)")
+    ap.add_argument("--adapter", default=None,
+                    help="the LoRA adapter the benchmark played (needed for any label but baseline)")
     args = ap.parse_args()
     run_dir = args.eval_dir.resolve().parents[1]
-    cfg = load_run_config(run_dir / "config.yaml")
-    policy_cfg = cfg.policy if args.dtype is None else cfg.policy.model_copy(update={"dtype": args.dtype})
+    cfg = load_run_config(RunFolder(run_dir).config)
+    turns = first_turns(EvalFolder(args.eval_dir).dialogues)
+    labels = {r["label"] for records in turns.values() for r in records}
+    if labels != {"baseline"} and args.adapter is None:
+        raise SystemExit(f"{args.eval_dir}: the {', '.join(sorted(labels))} benchmark played an adapter; "
+                         "pass it with --adapter")
+    update = {"dtype": args.dtype or cfg.policy.dtype, "adapter": args.adapter or cfg.policy.adapter}
+    policy_cfg = cfg.policy.model_copy(update=update)
     model, tokenizer = load_policy(policy_cfg)
     backend = make_policy_backend(policy_cfg, model, tokenizer)
     same = total = 0
     prefixes: list[int] = []
     start = time.perf_counter()
-    for _, records in sorted(first_turns(args.eval_dir / "dialogues.jsonl").items()):
+    for _, records in sorted(turns.items()):
         conversations = [policy_messages(SimpleNamespace(language=r["language"], id=r["scenario_id"]),
                                          [{"role": "user", "content": r["transcript"][0]["content"]}],
                                          cfg.policy.think) for r in records]
