@@ -495,6 +495,7 @@ def step_metrics(records: Sequence[dict[str, Any]], sums: dict[str, float], upda
     reward = np.array([r["reward"] for r in records], dtype=float)
     trained = [r["train_reward"] for r in records if r["trained"]]
     assistant = [x for r in records for x in r["transcript"] if x.get("role") == "assistant"]
+    user = [x for r in records for x in r["transcript"] if x.get("role") == "user" and "emotion" in x]
     policy_turns = sum(r["policy_turns"] for r in records)
     row: dict[str, Any] = {key: fields[key] for key in ("step", "data_position", "num_processes")}
     row.update({
@@ -509,6 +510,9 @@ def step_metrics(records: Sequence[dict[str, Any]], sums: dict[str, float], upda
         "final_emotion_mean": float(np.mean([r["final_emotion"] for r in records])) if records else nan,
         "turns_mean": policy_turns / len(records) if records else nan,
         "format_violation_rate": sum(r["format_violations"] for r in records) / max(1, policy_turns),
+        "reply_cut_rate": sum(bool(x.get("cut")) for x in assistant) / max(1, len(assistant)),
+        "context_limit_rate": sum(r["termination"] == "context_limit" for r in records) / n,
+        "user_history_shortened_rate": sum((x.get("history_dropped") or 0) > 0 for x in user) / max(1, len(user)),
         "zero_variance_group_share": sums["zero_variance_groups"] / sums["groups"] if sums["groups"] else 0.0,
         "completion_tokens_mean": sums["policy_tokens"] / max(1.0, sums["samples"]),
         "reply_chars_mean": float(np.mean([len(x.get("content") or "") for x in assistant])) if assistant else 0.0,

@@ -166,10 +166,13 @@ class Trajectory:
 
         ``transcript`` entries: ``{"role": "user", "content"}`` for the opening;
         policy turns ``{"role": "assistant", "content", "thought", "format_ok",
-        "format_problem", "raw"}``; user turns ``{"role": "user", "content",
+        "format_problem", "raw", "cut"}`` (``cut``: the reply hit ``max_new_tokens``);
+        user turns ``{"role": "user", "content",
         "change", "raw_change", "emotion_before", "emotion", "mood" (the mood letter;
         ``label`` in older run folders),
-        "appraisal", "goodbye", "attempts", "raw_outputs", "failures", "error"}``.
+        "appraisal", "goodbye", "attempts", "raw_outputs", "failures", "error",
+        "history_dropped"}`` (``history_dropped``: messages left out of the simulator's
+        prompt to fit its context).
         ``policy_turns`` counts the assistant entries.
         """
         return {
@@ -232,6 +235,7 @@ def _record_policy_turn(
             "format_ok": parsed.ok,
             "format_problem": parsed.problem,
             "raw": generation.text,
+            "cut": generation.finish_reason == "length",
         }
     )
     if generation.prompt_ids is not None and generation.completion_ids is not None:

@@ -247,6 +247,20 @@ def test_context_budget_ends_dialogue_before_an_oversized_turn():
     assert len(policy.seen) == 1 and max(len(json.dumps(c)) for c in policy.seen) + 16 <= first + 16
 
 
+def test_a_reply_that_hit_max_new_tokens_is_recorded_as_cut():
+    class Cutting(ScriptedPolicy):
+        def generate(self, conversations, sampling, json_schema=None):
+            out = super().generate(conversations, sampling, json_schema)
+            for g, conv in zip(out, conversations):
+                g.finish_reason = "length" if "sister" in json.dumps(conv) else "stop"
+            return out
+
+    scenarios = [scenario("a", "My sister ignored me."), scenario("b")]
+    a, b = run(Cutting(lambda conv: "Go on."), RuleSimulator(lambda r: 1), scenarios, max_turns=2)
+    cut = {t.dialogue_id: [x["cut"] for x in t.transcript if x["role"] == "assistant"] for t in (a, b)}
+    assert cut == {a.dialogue_id: [True, True], b.dialogue_id: [False, False]}
+
+
 def test_turn_sample_mask_shapes():
     s = TurnSample("a#0", 0, [1, 2, 3], [4, 5], [-0.1, -0.2])
     assert s.input_ids == [1, 2, 3, 4, 5] and s.loss_mask == [0, 0, 0, 1, 1]

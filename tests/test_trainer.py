@@ -27,6 +27,7 @@ from rlver_lib.learner import (
     optimizer_steps_per_epoch,
     samples_from_trajectories,
     score_old,
+    step_metrics,
     train_reward,
     window_sizes,
 )
@@ -668,3 +669,28 @@ def test_grpo_has_no_critic_warmup_and_ppo_without_an_offset_has_no_buffer(tmp_p
     (row,) = trainer.train()
     trainer.close()
     assert row["optimizer_steps"] == 1 and row["grad_norm"] == 0.0 and row["policy_loss"] != 0.0
+
+
+def test_step_metrics_count_what_was_cut_to_fit():
+    """Three dialogues, by hand: 5 policy replies of which 2 hit max_new_tokens; one
+    dialogue ended by the policy's context budget; 4 appraised user turns of which 1 left
+    messages out of the simulator's prompt (the opening has no emotion: not counted)."""
+    def dialogue(replies, users, termination):
+        transcript = [{"role": "user", "content": "Hi."}]
+        for cut, dropped in zip(replies, users + [None] * (len(replies) - len(users))):
+            transcript.append({"role": "assistant", "content": "ok", "cut": cut})
+            if dropped is not None:
+                transcript.append({"role": "user", "content": "m", "emotion": 50, "history_dropped": dropped})
+        return {"transcript": transcript, "termination": termination, "reward": 0.5, "train_reward": 0.5,
+                "trained": True, "group_id": "g", "final_emotion": 50, "policy_turns": len(replies),
+                "format_violations": 0}
+
+    records = [dialogue([True, False], [0, 2], "max_turns"), dialogue([False], [0], "context_limit"),
+               dialogue([False, True], [0], "max_turns")]
+    sums = {"zero_variance_groups": 0, "groups": 1, "policy_tokens": 10, "samples": 5, "gap_sum": 0.0,
+            "gap_count": 0, "train_tokens": 10}
+    row = step_metrics(records, sums, {}, step=1, data_position=1, num_processes=1, learning_rate=0.0,
+                       step_time_s=1.0, rollout_time_s=0.5, update_time_s=0.5)
+    assert row["reply_cut_rate"] == pytest.approx(2 / 5)
+    assert row["context_limit_rate"] == pytest.approx(1 / 3)
+    assert row["user_history_shortened_rate"] == pytest.approx(1 / 4)
