@@ -11,6 +11,7 @@ from rlver_lib.params import build_config
 from rlver_lib.pipeline.execution import NOTEBOOK_DIR
 from rlver_lib.pipeline.report import (
     ablation_header,
+    cut_statement,
     limits_statement,
     render_report,
     report_header,
@@ -93,3 +94,15 @@ def test_training_statement_names_the_algorithm_by_its_object():
     cfg = build_config({}, ["training.algorithm=ppo", "training.group_size=2", "training.steps=3"])
     text = training_statement(cfg, 5)
     assert text.startswith("**PPO**, 3 steps × ") and "× 2 rollouts on 5 training scenarios" in text
+
+
+def test_cut_statement_gives_each_counts_range_over_the_steps_and_nothing_for_older_runs():
+    import pandas as pd
+
+    metrics = pd.DataFrame({"reply_cut_rate": [1.0, 0.889, 0.905], "context_limit_rate": [0.0, 0.0, 0.0],
+                            "user_history_shortened_rate": [0.0, 0.25, 0.125]})
+    text = cut_statement(metrics)
+    assert "hit `policy.max_new_tokens`: 89-100 % a step" in text
+    assert "context budget: 0 % a step" in text
+    assert "shortened to fit its context: 0-25 % a step" in text
+    assert cut_statement(pd.DataFrame({"reward_mean": [0.5]})) == ""

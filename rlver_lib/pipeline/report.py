@@ -327,6 +327,29 @@ def training_statement(cfg: RunConfig, n_scenarios: int) -> str:
             f"simulator `{cfg.simulator.backend}`, think mode {'on' if cfg.policy.think else 'off'}")
 
 
+#: The per-step counts of what was cut to fit (``train/metrics.jsonl``), with their words.
+CUT_METRICS = {
+    "reply_cut_rate": "policy replies that hit `policy.max_new_tokens`",
+    "context_limit_rate": "dialogues ended by the policy's context budget",
+    "user_history_shortened_rate": "simulator turns whose prompt was shortened to fit its context",
+}
+
+
+def cut_statement(metrics: Any) -> str:
+    """Markdown under notebook 03's metrics: for each of :data:`CUT_METRICS` present in
+    ``metrics`` (the ``train/metrics.jsonl`` DataFrame, one row per step), its lowest and
+    highest share over the steps, in per cent; ``""`` when none is (runs from before
+    these counts)."""
+    parts = []
+    for column, words in CUT_METRICS.items():
+        if column in metrics and metrics[column].notna().any():
+            low, high = 100 * metrics[column].min(), 100 * metrics[column].max()
+            share = f"{low:.0f} %" if round(low) == round(high) else f"{low:.0f}-{high:.0f} %"
+            parts.append(f"{words}: {share} a step")
+    text = "; ".join(parts)
+    return f"**What was cut to fit.** {text[0].upper()}{text[1:]}." if parts else ""
+
+
 def judge_statement(judge: Judge, ev: EvaluationConfig) -> str:
     """Markdown naming the benchmark's ``judge`` (:attr:`Judge.name`) and the protocol of
     ``ev`` (an ``evaluation`` section), as notebook 04 states them after its benchmark."""
