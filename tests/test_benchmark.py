@@ -98,6 +98,7 @@ def test_sage_protocol_appraises_nine_of_ten_replies(tmp_path):
     updates = [t for t in capped["transcript"] if t["role"] == "user" and t.get("change") is not None]
     assert (len(assistants), len(updates)) == (10, 9)
     assert capped["transcript"][-1]["role"] == "assistant" and capped["transcript"][-1]["appraised"] is False
+    assert all(t["cut"] is False for t in assistants)  # the scripted policy always stops
     assert capped["transcript"][-1]["content"] == "I see."  # the 10th reply (an even turn: no question)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["protocol"] == {"name": "sage", "initial_emotion": 40, "max_policy_turns": 10,

@@ -289,7 +289,8 @@ def _add_unappraised_reply(policy_backend: ChatBackend, trajectories: list[Any],
         parsed = parse_think(g.text) if think else None
         t.transcript.append({"role": "assistant", "content": parsed.reply if parsed else g.text.strip(),
                         "thought": parsed.thought if parsed else "", "format_ok": parsed.ok if parsed else True,
-                        "format_problem": parsed.problem if parsed else None, "raw": g.text, "appraised": False})
+                        "format_problem": parsed.problem if parsed else None, "raw": g.text,
+                        "cut": g.finish_reason == "length", "appraised": False})
 
 
 def run_benchmark(
