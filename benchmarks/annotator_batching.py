@@ -3,11 +3,11 @@ one call at a time.
 
 Every label is one call of the annotator (the benchmark judge's model unless
 ``analysis.annotator`` names another) whose system message, the taxonomy with its
-definitions and examples, is the same for every reply (about 1k tokens) and whose user
+definitions and examples, is the same for every reply (about 740 tokens) and whose user
 message is the reply (``annotation_conversation``). The analysis stage sends a run's
 replies in one batch; llama-server then starts every request in its own slot, and each
-slot processes the whole shared system message. Called one at a time, the requests land in the same
-slot, which re-reads only the part after the prefix it holds.
+slot processes the whole shared system message. Called one at a time, the requests land
+in the same slot, which re-reads only the part after the prefix it holds.
 
 Each path starts its own server (no cache carried from one path to the next), labels
 the first ``--items`` replies of the shipped labelled set greedily, and is timed:
@@ -33,24 +33,23 @@ import time
 from rlver_lib.analysis.strategies import annotate_strategies, annotator_config, load_labelled_set, open_annotator
 from rlver_lib.params import load_config
 
-#: batch size of each path
-PATHS = {"batched": 16, "serial": 1, "primed": 16}
+#: each path: its batch size and how many replies go first, alone (0: none)
+PATHS = {"batched": (16, 0), "serial": (1, 0), "primed": (16, 1)}
 
 
-def timed_labels(params: str, items: int, path: str, seed: int) -> tuple[float, list[str]]:
-    """(seconds, primary labels) of ``items`` labelled-set replies sent as ``path`` says
-    (module docstring) to a server started for this call (its start-up not timed)."""
-    cfg = load_config(params)
-    labelled = load_labelled_set().head(items)
-    replies, users = list(labelled["reply"]), list(labelled["user"])
-    parts = [(0, items)] if path != "primed" else [(0, 1), (1, items)]
-    with open_annotator(annotator_config(cfg), seed) as annotator:
+def timed_labels(annotator_cfg, replies: list[str], users: list[str], path: str,
+                 seed: int) -> tuple[float, list[str]]:
+    """(seconds, primary labels) of ``replies`` sent as ``path`` says (:data:`PATHS`) to a
+    server started for this call (its start-up not timed)."""
+    batch_size, first = PATHS[path]
+    with open_annotator(annotator_cfg, seed) as annotator:
         start = time.perf_counter()
         labels = []
-        for lo, hi in parts:
-            out = annotate_strategies(annotator, replies[lo:hi], user_messages=users[lo:hi], seed=seed,
-                                      batch_size=PATHS[path])
-            labels += list(out["primary"])
+        for part in (slice(0, first), slice(first, None)):
+            if replies[part]:
+                out = annotate_strategies(annotator, replies[part], user_messages=users[part], seed=seed,
+                                          batch_size=batch_size)
+                labels += list(out["primary"])
         return time.perf_counter() - start, labels
 
 
@@ -60,12 +59,15 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=8, help="labelled-set replies to label per path")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    results = {name: timed_labels(args.params, args.items, name, args.seed) for name in PATHS}
+    annotator_cfg = annotator_config(load_config(args.params))
+    labelled = load_labelled_set().head(args.items)
+    replies, users = list(labelled["reply"]), list(labelled["user"])
+    results = {name: timed_labels(annotator_cfg, replies, users, name, args.seed) for name in PATHS}
     fan, fan_labels = results["batched"]
     for name, (seconds, labels) in results.items():
         same = sum(a == b for a, b in zip(fan_labels, labels))
-        print(f"{name:8s}: {seconds:7.1f} s for {args.items} labels ({60 * args.items / seconds:5.1f} labels/min), "
-              f"{seconds / fan:.2f} x batched; primary label as batched's on {same} of {args.items}")
+        print(f"{name:8s}: {seconds:7.1f} s for {len(replies)} labels ({60 * len(replies) / seconds:5.1f} labels/min), "
+              f"{seconds / fan:.2f} x batched; primary label as batched's on {same} of {len(replies)}")
 
 
 if __name__ == "__main__":
