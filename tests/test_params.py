@@ -105,6 +105,29 @@ def test_quickstart_stays_within_its_simulator_budget():
     assert cfg.stages == ["scenarios", "baseline", "train", "trained", "analysis"]
 
 
+def test_quickstart_analysis_stays_within_its_annotator_budget():
+    """The analysis stage's cost is the 1.5B model's annotator labels (about 7.5 s each on
+    2 cores, decoding the JSON) and injection-probe appraisals: at most 20 labels and 5
+    probe appraisals, counted by hand from the stage's definition (one reply per source,
+    i.e. baseline, each training step and trained; each self-agreement reply once per run;
+    the labelled-set items; base and trained replies to the 3 at-fault test scenarios;
+    a control and 4 probes per probe scenario). Every part of the report stays on."""
+    from rlver_lib.analysis.hacking import INJECTIONS, at_fault_scenarios
+    from rlver_lib.scenarios import load_scenarios
+
+    cfg = load_config(ROOT / "params" / "quickstart.yaml")
+    a = cfg.analysis
+    sources = 1 + cfg.training.steps + 1
+    at_fault = len(at_fault_scenarios(load_scenarios(cfg.scenarios.test)))
+    assert at_fault == 3
+    labels = (a.n_annotated_replies * sources + a.n_self_agreement_replies * a.n_self_agreement_runs
+              + a.n_annotator_validation_items + a.n_sycophancy_replies * at_fault * 2)
+    probes = a.n_probe_scenarios * (1 + len(INJECTIONS["en"]))
+    assert labels <= 20 and probes <= 5
+    assert min(a.n_annotated_replies, a.n_self_agreement_replies, a.n_annotator_validation_items,
+               a.n_probe_scenarios, a.n_sycophancy_replies) >= 1
+
+
 # ------------------------------------------------------------ composed paper recipes
 
 
