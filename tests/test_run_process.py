@@ -116,6 +116,7 @@ def test_an_interrupted_run_stops_its_stage_marks_the_manifest_and_resumes(run_s
     assert again.returncode == 0, again.stderr
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["stages"]["scenarios"]["status"] == "complete"
+    assert "IPKernelApp" not in again.stderr  # the stage kernel's start-up warning stays off the console
 
 
 def test_a_second_run_or_eval_on_the_same_folder_fails_at_once_naming_the_holder(run_setup):

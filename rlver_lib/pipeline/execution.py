@@ -34,4 +34,7 @@ def execute_notebook(template: str, output: Path, parameters: dict[str, Any],
         str(source), str(output), parameters=parameters,
         cwd=str(cwd or Path.cwd()), progress_bar=False, log_output=False,
         kernel_name="python3",
+        # the kernel listens on loopback (127.0.0.1); its start-up warning that TCP is not
+        # encrypted would print on every stage, and its errors still show
+        extra_arguments=["--IPKernelApp.log_level=ERROR"],
     )
