@@ -44,6 +44,25 @@ def test_cells_table_and_paired_cell_differences(runs):
         paired_cell_differences(runs, reference="nope")
 
 
+def test_every_pair_of_cells_once(runs, tmp_path):
+    """``reference="all"``: a three-arm ablation's two differences against its first arm
+    and the one between the other two, each paired over the scenarios both cells share."""
+    from analysis_support import make_run
+
+    third = make_run(tmp_path, "ppo-nothink", "ppo", False, "moderate", 60.0)
+    _eval_dialogues(runs[0], {"s1": 50, "s2": 60, "s3": 70})
+    _eval_dialogues(runs[1], {"s1": 55, "s2": 58, "s3": 80})
+    _eval_dialogues(third, {"s1": 40, "s2": 61, "s3": 71})
+    table = paired_cell_differences([*runs, third], reference="all", n_boot=50)
+    pairs = list(zip(table["reference"], table["run"]))
+    assert pairs == [("ppo-think", "grpo-nothink"), ("ppo-think", "ppo-nothink"), ("grpo-nothink", "ppo-nothink")]
+    # by hand: (+5 - 2 + 10) / 3, (-10 + 1 + 1) / 3, (-15 + 3 - 9) / 3
+    assert table["diff"].tolist() == pytest.approx([13 / 3, -8 / 3, -7.0])
+    assert table["n"].tolist() == [3, 3, 3]
+    with pytest.raises(ValueError, match="'all'"):
+        paired_cell_differences(runs, reference="nope")
+
+
 def test_cell_tables_round_trip(runs):
     write_table(runs[0], ANNOTATIONS, pd.DataFrame({"source": ["trained"], "primary": ["advice"]}))
     write_table(runs[1], "strategy_labels", pd.DataFrame({"source": ["trained"], "primary": ["question"]}))  # older

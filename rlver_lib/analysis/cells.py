@@ -58,39 +58,43 @@ def scenario_finals(run_dir: str | Path, label: str = "trained") -> pd.Series:
 
 def paired_cell_differences(run_dirs: Sequence[str | Path], *, reference: str | None = None, label: str = "trained",
                             n_boot: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
-    """Each cell against a reference cell on the same test scenarios, paired by scenario.
+    """Cells against a reference cell on the same test scenarios, paired by scenario.
 
-    ``reference``: a run name (default: the first run).  Per other run: ``run``,
+    ``reference``: a run name (default: the first run), or ``"all"`` for every pair of
+    cells once, the earlier run as the reference (a three-arm ablation's two differences
+    against its first arm and the difference between the other two).  Per pair: ``run``,
     ``reference``, ``n`` (common scenarios), ``reference_score`` and ``score`` (mean
-    final emotion over those scenarios), ``diff`` (mean paired difference, emotion
-    points) with ``low`` / ``high`` (bootstrap over scenarios) and ``p_value``
-    (sign-flip test), and ``same_judge`` (both cells' ``evaluation.judge`` equal).
-    With a single common scenario only ``diff`` is given.  Raises ``ValueError`` for an
-    unknown reference.
+    final emotion over those scenarios), ``diff`` (mean paired difference ``run`` minus
+    ``reference``, emotion points) with ``low`` / ``high`` (bootstrap over scenarios) and
+    ``p_value`` (sign-flip test), and ``same_judge`` (both cells' ``evaluation.judge``
+    equal).  With a single common scenario only ``diff`` is given.  Raises
+    ``ValueError`` for an unknown reference.
     """
     dirs = {run_name(Path(d)): Path(d) for d in run_dirs}
-    if not dirs:
-        return pd.DataFrame()
-    reference = reference or next(iter(dirs))
-    if reference not in dirs:
-        raise ValueError(f"reference cell {reference!r} is not one of {list(dirs)}")
-    ref = scenario_finals(dirs[reference], label)
-    ref_judge = cell_fields(dirs[reference])["judge"]
-    rows = []
-    for name, path in dirs.items():
-        if name == reference:
-            continue
-        cell = scenario_finals(path, label)
-        common = sorted(set(ref.index) & set(cell.index))
-        row = {"run": name, "reference": reference, "n": len(common),
-               "same_judge": cell_fields(path)["judge"] == ref_judge}
-        if common:
-            row.update(reference_score=float(ref[common].mean()), score=float(cell[common].mean()),
-                       **paired_estimate(ref[common].to_numpy(dtype=float), cell[common].to_numpy(dtype=float),
-                                 n_boot=n_boot, confidence=confidence, seed=seed))
-        rows.append(row)
+    names = list(dirs)
+    if reference == "all":
+        pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
+    else:
+        reference = reference or (names[0] if names else None)
+        if names and reference not in dirs:
+            raise ValueError(f"reference cell {reference!r} is not one of {names} (or 'all')")
+        pairs = [(reference, name) for name in names if name != reference]
+    rows = [_paired_row(dirs[ref], dirs[name], label, n_boot=n_boot, confidence=confidence, seed=seed)
+            for ref, name in pairs]
     return pd.DataFrame(rows, columns=["run", "reference", "n", "reference_score", "score", "diff", "low", "high",
                                        "p_value", "same_judge"])
+
+
+def _paired_row(ref_dir: Path, run_dir: Path, label: str, **boot: Any) -> dict[str, Any]:
+    """One row of :func:`paired_cell_differences`: ``run_dir`` against ``ref_dir``."""
+    ref, cell = scenario_finals(ref_dir, label), scenario_finals(run_dir, label)
+    common = sorted(set(ref.index) & set(cell.index))
+    row = {"run": run_name(run_dir), "reference": run_name(ref_dir), "n": len(common),
+           "same_judge": cell_fields(run_dir)["judge"] == cell_fields(ref_dir)["judge"]}
+    if common:
+        row.update(reference_score=float(ref[common].mean()), score=float(cell[common].mean()),
+                   **paired_estimate(ref[common].to_numpy(dtype=float), cell[common].to_numpy(dtype=float), **boot))
+    return row
 
 
 ANNOTATIONS = "strategy_annotations"
