@@ -75,26 +75,24 @@ def paired_cell_differences(run_dirs: Sequence[str | Path], *, reference: str | 
     if reference == "all":
         pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
     else:
-        reference = reference or (names[0] if names else None)
+        reference = reference or next(iter(names), None)
         if names and reference not in dirs:
             raise ValueError(f"reference cell {reference!r} is not one of {names} (or 'all')")
         pairs = [(reference, name) for name in names if name != reference]
-    rows = [_paired_row(dirs[ref], dirs[name], label, n_boot=n_boot, confidence=confidence, seed=seed)
-            for ref, name in pairs]
+    finals = {name: scenario_finals(path, label) for name, path in dirs.items()}  # each cell read once
+    judges = {name: cell_fields(path)["judge"] for name, path in dirs.items()}
+    rows = []
+    for ref_name, name in pairs:
+        ref, cell = finals[ref_name], finals[name]
+        common = sorted(set(ref.index) & set(cell.index))
+        row = {"run": name, "reference": ref_name, "n": len(common), "same_judge": judges[name] == judges[ref_name]}
+        if common:
+            row.update(reference_score=float(ref[common].mean()), score=float(cell[common].mean()),
+                       **paired_estimate(ref[common].to_numpy(dtype=float), cell[common].to_numpy(dtype=float),
+                                         n_boot=n_boot, confidence=confidence, seed=seed))
+        rows.append(row)
     return pd.DataFrame(rows, columns=["run", "reference", "n", "reference_score", "score", "diff", "low", "high",
                                        "p_value", "same_judge"])
-
-
-def _paired_row(ref_dir: Path, run_dir: Path, label: str, **boot: Any) -> dict[str, Any]:
-    """One row of :func:`paired_cell_differences`: ``run_dir`` against ``ref_dir``."""
-    ref, cell = scenario_finals(ref_dir, label), scenario_finals(run_dir, label)
-    common = sorted(set(ref.index) & set(cell.index))
-    row = {"run": run_name(run_dir), "reference": run_name(ref_dir), "n": len(common),
-           "same_judge": cell_fields(run_dir)["judge"] == cell_fields(ref_dir)["judge"]}
-    if common:
-        row.update(reference_score=float(ref[common].mean()), score=float(cell[common].mean()),
-                   **paired_estimate(ref[common].to_numpy(dtype=float), cell[common].to_numpy(dtype=float), **boot))
-    return row
 
 
 ANNOTATIONS = "strategy_annotations"
