@@ -67,6 +67,19 @@ X86_OPTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("GGML_AVX512_BF16", ("avx512f", "avx512_bf16")),
 )
 AMX_OPTIONS = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+#: Optimisation levels by CMake project, read at the end of each ``project()`` call
+#: (``CMAKE_PROJECT_INCLUDE``): ggml, whose kernels do the model's arithmetic, keeps -O3;
+#: the rest (the llama library, common, the server, its HTTP and multimodal code) gets
+#: -O1, which compiles the build 21 % faster on a 2-core AVX2 EPYC with the same
+#: prefill and grammar-constrained decoding speed (docs/MEASURED.md, "The native build").
+OPTIMISATION = """if(PROJECT_NAME STREQUAL "ggml")
+  set(CMAKE_C_FLAGS_RELEASE "-O3 -DNDEBUG")
+  set(CMAKE_CXX_FLAGS_RELEASE "-O3 -DNDEBUG")
+else()
+  set(CMAKE_C_FLAGS_RELEASE "-O1 -DNDEBUG")
+  set(CMAKE_CXX_FLAGS_RELEASE "-O1 -DNDEBUG")
+endif()
+"""
 _COMMON = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
@@ -129,7 +142,8 @@ def enabled_options(args: list[str]) -> list[str]:
 
 def _fingerprint(args: list[str]) -> dict:
     return {"source": LLAMA_CPP_SOURCE, "machine": platform.machine(),
-            "options": enabled_options(args), "cmake_args": args}
+            "options": enabled_options(args), "cmake_args": args,
+            "optimisation_sha256": hashlib.sha256(OPTIMISATION.encode()).hexdigest()}
 
 
 def install_dir() -> Path:
@@ -312,7 +326,10 @@ def _compile(args: list[str], dest: Path, *, source: Path | None, jobs: int | No
         work = Path(tmp)
         src = source or _fetch_source(work, log)
         out = work / "build"
-        _phase("configure", ["cmake", "-S", str(src), "-B", str(out), *args], log)
+        levels = work / "optimisation.cmake"
+        levels.write_text(OPTIMISATION, encoding="utf-8")
+        _phase("configure", ["cmake", "-S", str(src), "-B", str(out), *args,
+                             f"-DCMAKE_PROJECT_INCLUDE={levels}"], log)
         _phase("compile", ["cmake", "--build", str(out), "--target", BINARY, "-j", str(jobs)], log)
         start = time.monotonic()
         with atomic_directory(dest) as staged:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 
 import pytest
@@ -191,6 +192,34 @@ def test_a_build_prints_one_line_per_phase_and_logs_the_compiler_output(tmp_path
     assert "compile warning line 2999" in text and "configure output line 299" in text
     assert binary.read_text() == "a built binary"
     assert native.build_info(tmp_path / "venv")["cmake_args"] == fake_cmake  # the stamp is kept
+
+
+
+def test_ggml_compiles_at_o3_and_the_rest_at_o1(tmp_path, monkeypatch):
+    """Real cmake and a real compiler on llama.cpp's layout in small: a top project with
+    the server and a ``ggml`` sub-project; the compile commands in the build log show the
+    optimisation level of each."""
+    if not shutil.which("cmake") or not shutil.which("c++"):
+        pytest.skip("needs cmake and a C++ compiler")
+    monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    (src / "ggml").mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text(
+        'cmake_minimum_required(VERSION 3.14)\nproject("llama.cpp" CXX)\nset(CMAKE_VERBOSE_MAKEFILE ON)\n'
+        "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
+        "add_subdirectory(ggml)\nadd_executable(llama-server server.cpp)\n"
+        "target_link_libraries(llama-server ggml)\n")
+    (src / "ggml" / "CMakeLists.txt").write_text('project("ggml" CXX)\nadd_library(ggml kernel.cpp)\n')
+    (src / "server.cpp").write_text("int kernel();\nint main() { return kernel(); }\n")
+    (src / "ggml" / "kernel.cpp").write_text("int kernel() { return 0; }\n")
+    flags = native.cpu_flags(f"flags : {AVX2_ONLY}")
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    args = native.cmake_args(flags)
+    native.build(tmp_path / "venv", source=src, jobs=1)
+    compiles = [line for line in native.build_log(args).read_text().splitlines() if " -c " in line]
+    levels = {name: re.findall(r"(?<!\S)-O\d", line) for line in compiles
+              for name in ("kernel.cpp", "server.cpp") if line.rstrip().endswith(name)}
+    assert levels == {"kernel.cpp": ["-O3"], "server.cpp": ["-O1"]}, compiles
 
 
 @pytest.fixture
