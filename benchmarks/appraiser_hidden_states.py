@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from appraiser_fit import folds, held_out  # noqa: E402
 
-from rlver_lib.appraiser import CLASSES, SIMULATOR_FILENAME, covariates  # noqa: E402
+from rlver_lib.appraiser import SIMULATOR_FILENAME, covariates, predicted_change, sage_classes  # noqa: E402
 from rlver_lib.evaluation.agreement import load_replay  # noqa: E402
 from rlver_lib.evaluation.reply_blind import first_turn_spearman  # noqa: E402
 from rlver_lib.files import atomic_write_json, cache_dir  # noqa: E402
@@ -70,12 +70,12 @@ def hidden_states(texts: list[str]) -> dict[str, np.ndarray]:
 def head(features: np.ndarray | None, cov: np.ndarray, y: np.ndarray, k: int):
     """(fit, predict) for :func:`appraiser_fit.held_out` on row indices: PCA(k) of
     ``features`` (none when ``k`` is 0) beside ``cov``, standardised, then a logistic
-    model over :data:`CLASSES`; the change is the predictive median + 0.01 x the mean."""
+    model over SAGE's classes; the change is
+    :func:`rlver_lib.appraiser.predicted_change`."""
     from sklearn.decomposition import PCA
     from sklearn.linear_model import LogisticRegression
 
-    classes = np.asarray(CLASSES)
-    labels = classes[np.abs(y[:, None] - classes).argmin(axis=1)]
+    labels = sage_classes(y)
 
     def inputs(pca, idx):
         return np.hstack([pca.transform(features[idx]), cov[idx]]) if pca else cov[idx]
@@ -90,8 +90,7 @@ def head(features: np.ndarray | None, cov: np.ndarray, y: np.ndarray, k: int):
     def predict(model, tx):
         pca, mean, sd, logistic = model
         p = logistic.predict_proba((inputs(pca, tx[:, 0].astype(int)) - mean) / sd)
-        c = logistic.classes_
-        return c[(p.cumsum(axis=1) >= 0.5).argmax(axis=1)] + 0.01 * (p @ c)
+        return predicted_change(p, logistic.classes_)
 
     return fit, predict
 

@@ -215,9 +215,20 @@ class Appraiser:
         return p / p.sum(axis=1, keepdims=True)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
-        p = self.probabilities(x)
-        median = self.classes[(p.cumsum(axis=1) >= 0.5).argmax(axis=1)]
-        return median + 0.01 * (p @ self.classes)
+        return predicted_change(self.probabilities(x), self.classes)
+
+
+def sage_classes(y: np.ndarray) -> np.ndarray:
+    """SAGE's changes ``y`` (n,) mapped to the nearest of :data:`CLASSES` (ties to the lower)."""
+    classes = np.asarray(CLASSES)
+    return classes[np.abs(np.asarray(y, dtype=float)[:, None] - classes).argmin(axis=1)]
+
+
+def predicted_change(p: np.ndarray, classes: np.ndarray) -> np.ndarray:
+    """The head's output from class probabilities ``p`` (n, k) over ``classes`` (k,): the
+    predictive median class plus 0.01 x the predictive mean (which orders replies the
+    median ties), emotion points, shape (n,)."""
+    return classes[(p.cumsum(axis=1) >= 0.5).argmax(axis=1)] + 0.01 * (p @ classes)
 
 
 def head_inputs(x: np.ndarray, centers: np.ndarray, axes: np.ndarray) -> np.ndarray:
@@ -250,9 +261,7 @@ def fit_head(x: np.ndarray, y: np.ndarray, inputs: Sequence[str] = INPUTS) -> Ap
     z = head_inputs(x, centers, axes)[:, columns]
     mean, scale = z.mean(axis=0), z.std(axis=0)
     scale = np.where(scale > 0, scale, 1.0)
-    classes = np.asarray(CLASSES)
-    labels = classes[np.abs(np.asarray(y, dtype=float)[:, None] - classes).argmin(axis=1)]
-    model = LogisticRegression(C=PENALTY_C, max_iter=5000).fit((z - mean) / scale, labels)
+    model = LogisticRegression(C=PENALTY_C, max_iter=5000).fit((z - mean) / scale, sage_classes(y))
     coef, intercept = model.coef_, model.intercept_
     if coef.shape[0] == 1:  # two classes: sklearn keeps one row, for the second class
         coef, intercept = np.vstack([-coef / 2, coef / 2]), np.array([-intercept[0] / 2, intercept[0] / 2])

@@ -194,7 +194,6 @@ def test_a_build_prints_one_line_per_phase_and_logs_the_compiler_output(tmp_path
     assert native.build_info(tmp_path / "venv")["cmake_args"] == fake_cmake  # the stamp is kept
 
 
-
 def test_ggml_compiles_at_o3_and_the_rest_at_o1(tmp_path, monkeypatch):
     """Real cmake and a real compiler on llama.cpp's layout in small: a top project with
     the server and a ``ggml`` sub-project; the compile commands in the build log show the
