@@ -1,26 +1,26 @@
-"""The strategy annotator's wall time: one batch fanned out over the server's slots vs
-one call at a time.
+"""The strategy annotator's wall time by how its server decodes: slots and speculation.
 
 Every label is one call of the annotator (the benchmark judge's model unless
 ``analysis.annotator`` names another) whose system message, the taxonomy with its
 definitions and examples, is the same for every reply (about 740 tokens) and whose user
-message is the reply (``annotation_conversation``). The analysis stage sends a run's
-replies in one batch; llama-server then starts every request in its own slot, and each
-slot processes the whole shared system message. Called one at a time, the requests land
-in the same slot, which re-reads only the part after the prefix it holds.
+message is the reply (``annotation_conversation``); the answer is a JSON object of about
+130 tokens whose keys and layout repeat from label to label.
 
-Each path starts its own server (no cache carried from one path to the next), labels
-the first ``--items`` replies of the shipped labelled set greedily, and is timed:
+Each path starts its own server (no cache carried from one path to the next; its
+start-up not timed), labels the first ``--items`` replies of the shipped labelled set
+greedily with :func:`~rlver_lib.analysis.strategies.annotate_strategies` as the analysis
+stage calls it (one batch of up to 16), and is timed:
 
-- ``batched``: :func:`~rlver_lib.analysis.strategies.annotate_strategies` as the stage
-  calls it (one batch of up to 16);
-- ``serial``: the same with ``batch_size=1``;
-- ``primed``: the first reply alone, then the rest in one batch (does llama-server's
-  host-memory prompt cache, ``--cache-ram``, hand the first slot's prefix to the others?).
+- ``8 slots``: ``concurrency: 8``, the judge's, the annotator's setting before: every
+  request starts in its own slot, and each slot reads the whole system message;
+- ``1 slot``: ``concurrency: 1``: the requests queue for one slot, which re-reads only
+  the part after the system message it holds;
+- ``1 slot + ngram``: the same with ``speculative: ngram`` (``servers.NGRAM_SPECULATION``),
+  the annotator's default.
 
-Prints seconds and labels/min of each path, its ratio to ``batched``, and how many
-primary labels it shares with ``batched`` (greedy decoding: they differ only by the
-server's batched numerics). Figures: docs/MEASURED.md "The annotator's calls". Usage::
+Prints seconds and labels/min of each path, its ratio to the first, and on how many
+replies its primary label equals the first path's (greedy decoding: they differ only by
+the server's batched numerics). Figures: docs/MEASURED.md "The annotator's calls". Usage::
 
     python benchmarks/annotator_batching.py --params params/quickstart.yaml --items 8
 """
@@ -33,24 +33,19 @@ import time
 from rlver_lib.analysis.strategies import annotate_strategies, annotator_config, load_labelled_set, open_annotator
 from rlver_lib.params import load_config
 
-#: each path: its batch size and how many replies go first, alone (0: none)
-PATHS = {"batched": (16, 0), "serial": (1, 0), "primed": (16, 1)}
+#: each path: the annotator settings it overrides
+PATHS = {"8 slots": {"concurrency": 8, "speculative": "none"},
+         "1 slot": {"concurrency": 1, "speculative": "none"},
+         "1 slot + ngram": {"concurrency": 1, "speculative": "ngram"}}
 
 
-def timed_labels(annotator_cfg, replies: list[str], users: list[str], path: str,
-                 seed: int) -> tuple[float, list[str]]:
-    """(seconds, primary labels) of ``replies`` sent as ``path`` says (:data:`PATHS`) to a
-    server started for this call (its start-up not timed)."""
-    batch_size, first = PATHS[path]
+def timed_labels(annotator_cfg, replies: list[str], users: list[str], seed: int) -> tuple[float, list[str]]:
+    """(seconds, primary labels) of ``replies`` labelled by a server started for this call
+    with ``annotator_cfg`` (its start-up not timed)."""
     with open_annotator(annotator_cfg, seed) as annotator:
         start = time.perf_counter()
-        labels = []
-        for part in (slice(0, first), slice(first, None)):
-            if replies[part]:
-                out = annotate_strategies(annotator, replies[part], user_messages=users[part], seed=seed,
-                                          batch_size=batch_size)
-                labels += list(out["primary"])
-        return time.perf_counter() - start, labels
+        out = annotate_strategies(annotator, replies, user_messages=users, seed=seed)
+        return time.perf_counter() - start, list(out["primary"])
 
 
 def main() -> None:
@@ -62,12 +57,14 @@ def main() -> None:
     annotator_cfg = annotator_config(load_config(args.params))
     labelled = load_labelled_set().head(args.items)
     replies, users = list(labelled["reply"]), list(labelled["user"])
-    results = {name: timed_labels(annotator_cfg, replies, users, name, args.seed) for name in PATHS}
-    fan, fan_labels = results["batched"]
+    results = {name: timed_labels(annotator_cfg.model_copy(update=settings), replies, users, args.seed)
+               for name, settings in PATHS.items()}
+    first, first_labels = next(iter(results.values()))
     for name, (seconds, labels) in results.items():
-        same = sum(a == b for a, b in zip(fan_labels, labels))
-        print(f"{name:8s}: {seconds:7.1f} s for {len(replies)} labels ({60 * len(replies) / seconds:5.1f} labels/min), "
-              f"{seconds / fan:.2f} x batched; primary label as batched's on {same} of {len(replies)}")
+        same = sum(a == b for a, b in zip(first_labels, labels))
+        rate = 60 * len(replies) / seconds
+        print(f"{name:14s}: {seconds:7.1f} s for {len(replies)} labels ({rate:5.1f} labels/min), {seconds / first:.2f} "
+              f"x the first; primary label as the first's on {same} of {len(replies)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,11 @@ class EndpointConfig(_Strict):
     CI, not for research). ``n_threads``: llama-server's threads (default
     ``$OMP_NUM_THREADS``). The sampling settings, the cuts ``top_k``, ``min_p`` and the
     penalties included, are sent with every request (:class:`SamplingParams`).
+    ``speculative``: ``ngram`` turns on llama-server's n-gram speculative decoding
+    (``servers.NGRAM_SPECULATION``): drafts from n-grams of earlier outputs, each verified
+    by the model, so a greedy output is the model's own up to batched numerics; it pays
+    where outputs repeat from call to call (the annotator's JSON: docs/MEASURED.md, "The
+    annotator's calls"). The llamacpp backend only; other servers decode as they are set up.
     """
 
     backend: Literal["llamacpp", "transformers", "openai", "rule"] = "llamacpp"
@@ -159,6 +164,7 @@ class EndpointConfig(_Strict):
     repetition_penalty: float = Field(1.0, gt=0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    speculative: Literal["none", "ngram"] = "none"
 
     def sampling(self, *, temperature: float | None = None, max_new_tokens: int | None = None,
                  seed: int | None = None) -> SamplingParams:
@@ -380,10 +386,15 @@ class AnnotatorConfig(EndpointConfig):
     with the strategy taxonomy (``rlver_lib.analysis.strategies.TAXONOMY``), an
     :class:`EndpointConfig` (no simulated user's settings), greedy by default. ``rule``
     is the deterministic lexical labeller (``analysis.RuleAnnotator``): plumbing and
-    tests only, not a research annotator."""
+    tests only, not a research annotator. Its defaults differ from a simulator's where
+    labelling on CPU cores is faster so (docs/MEASURED.md, "The annotator's calls"): one
+    slot (``concurrency`` 1), which reads the taxonomy's ~740-token system message once
+    and keeps it for every label, and n-gram speculative decoding of the JSON answer."""
 
     temperature: float = Field(0.0, ge=0.0)
     max_new_tokens: int = Field(200, ge=16)
+    concurrency: int = Field(1, ge=1)
+    speculative: Literal["none", "ngram"] = "ngram"
 
 
 class AnalysisConfig(_Strict):

@@ -322,7 +322,8 @@ def make_simulator_backend(sim_cfg: EndpointConfig, seed: int) -> "ChatBackend":
 
     - ``llamacpp``: a ``llama-server`` process over :func:`simulator_model_path`,
       started here on loopback (``concurrency`` slots of ``n_ctx`` tokens each,
-      ``n_threads`` threads, default ``$OMP_NUM_THREADS``); stop it with ``close()``;
+      ``n_threads`` threads, default ``$OMP_NUM_THREADS``, with n-gram speculative
+      decoding where ``sim_cfg.speculative`` is ``ngram``); stop it with ``close()``;
     - ``transformers``: a local HF model (id, folder or ``embedded:`` name);
     - ``openai``: ``sim_cfg.base_url``, API key from the environment variable named
       by ``sim_cfg.api_key_env`` (may be unset for local servers).
@@ -336,6 +337,7 @@ def make_simulator_backend(sim_cfg: EndpointConfig, seed: int) -> "ChatBackend":
             # the slots share the cores: a request's latency grows with the batch, and a
             # timed-out request re-sent to a local server only doubles its work
             timeout_s=sim_cfg.timeout_s * sim_cfg.concurrency, max_retries=sim_cfg.max_retries,
+            extra_args=servers.NGRAM_SPECULATION if sim_cfg.speculative == "ngram" else (),
         )
     if sim_cfg.backend == "transformers":
         if sim_cfg.model == EMBEDDED_SIMULATOR:

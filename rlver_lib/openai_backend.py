@@ -43,7 +43,8 @@ class OpenAIBackend(Closing):
     second for good when the server rejects it (an error that names
     ``response_format``; llama-cpp-python answers HTTP 500).
     Each conversation is sent with :func:`conversation_seed`. ``meta`` holds
-    ``attempts`` and the server's ``usage``.
+    ``attempts``, the server's ``usage`` and, from llama-server, its ``timings``
+    (milliseconds and tokens per phase; ``draft_n`` / ``draft_n_accepted`` with speculation).
 
     Sampling: every field of :class:`SamplingParams` is sent, so no server default
     decides (``sampling_fields="all"``: ``top_k``, ``min_p``, ``repetition_penalty`` and
@@ -155,7 +156,8 @@ class OpenAIBackend(Closing):
         except (KeyError, IndexError, TypeError) as err:
             raise BackendError(f"{self.url}: malformed response {str(data)[:300]}") from err
         return Generation(text=text, finish_reason=choice.get("finish_reason") or "stop",
-                          meta={"attempts": attempts, "usage": data.get("usage") or {}})
+                          meta={"attempts": attempts, "usage": data.get("usage") or {},
+                                "timings": data.get("timings") or {}})
 
     def generate(
         self,

@@ -18,6 +18,13 @@ from rlver_lib.backends import BackendDied, BackendError, Closing, Conversation,
 from rlver_lib.config import SamplingParams
 from rlver_lib.openai_backend import OpenAIBackend
 
+#: llama-server's n-gram speculative decoding (``speculative: ngram``): ``ngram-mod`` drafts
+#: up to 16 tokens that followed the last 8 in the server's earlier outputs, and the model
+#: verifies each draft in one batched step. The sizes are the fastest of the settings
+#: tried for the annotator's JSON (docs/MEASURED.md, "The annotator's calls").
+NGRAM_SPECULATION = ("--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "8",
+                     "--spec-ngram-mod-n-min", "2", "--spec-ngram-mod-n-max", "16")
+
 
 def exit_description(returncode: int) -> tuple[str, str | None]:
     """How a process ended: ``("killed by SIGILL", "SIGILL")`` or ``("exited with status 1", None)``."""

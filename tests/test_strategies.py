@@ -26,6 +26,7 @@ from rlver_lib.analysis.strategies import (
     annotate_strategies,
     annotation_conversation,
     annotation_schema,
+    annotator_config,
     annotator_validation,
     labelled_set_agreement,
     load_labelled_set,
@@ -39,6 +40,7 @@ from rlver_lib.analysis.strategies import (
     taxonomy_table,
 )
 from rlver_lib.backends import Generation
+from rlver_lib.params import load_config
 from rlver_lib.pipeline.report import describe_reliability
 from rlver_lib.stats import cohen_kappa
 
@@ -230,3 +232,18 @@ def test_strategy_mix_use_and_plots():
     fig = plot_strategy_use(strategy_use(labelled, by="source"), by="source")
     assert [a.get_title() for a in fig.axes] == ["strategy", "dimension"]
     assert len(fig.axes[0].patches) == 2 * len(STRATEGY_KEYS)
+
+
+@pytest.mark.parametrize(("judge_backend", "concurrency"), [("llamacpp", 1), ("openai", 6)])
+def test_the_default_annotator_takes_the_judges_model_with_one_local_slot_and_ngram_speculation(
+        judge_backend, concurrency):
+    """analysis.annotator unset: the judge's model, greedy, n-gram speculation; one slot on a
+    llama-server of its own (on the same cores, one slot reads the taxonomy once), the
+    judge's concurrency for a server elsewhere."""
+    cfg = load_config("params/quickstart.yaml", [f"evaluation.judge.backend={judge_backend}",
+                                                 "evaluation.judge.base_url=http://127.0.0.1:8000",
+                                                 "evaluation.judge.concurrency=6"])
+    annotator = annotator_config(cfg)
+    assert (annotator.backend, annotator.model) == (judge_backend, cfg.evaluation.judge.model)
+    assert (annotator.concurrency, annotator.speculative, annotator.temperature) == (concurrency, "ngram", 0.0)
+    assert cfg.evaluation.judge.speculative == "none"  # only the annotator drafts by default

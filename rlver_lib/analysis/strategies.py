@@ -280,12 +280,15 @@ class RuleAnnotator:
 def annotator_config(cfg: RunConfig) -> AnnotatorConfig:
     """The strategy annotator's config: ``cfg.analysis.annotator``, or when that is ``None`` a
     :class:`rlver_lib.config.AnnotatorConfig` with the backend and model settings
-    of ``cfg.evaluation.judge`` (the benchmark judge's model) and the annotator defaults (greedy)."""
+    of ``cfg.evaluation.judge`` (the benchmark judge's model) and the annotator defaults
+    (greedy; with a llamacpp judge also one slot and n-gram speculation, the judge's
+    ``concurrency`` kept for a server that is not on these cores)."""
     if cfg.analysis.annotator is not None:
         return cfg.analysis.annotator
     source = cfg.evaluation.judge
-    keep = {"backend", "model", "base_url", "api_key_env", "timeout_s", "concurrency", "n_threads", "n_ctx",
-            "max_retries"}
+    keep = {"backend", "model", "base_url", "api_key_env", "timeout_s", "n_threads", "n_ctx", "max_retries"}
+    if source.backend != "llamacpp":
+        keep.add("concurrency")
     data = {k: v for k, v in source.model_dump().items() if k in keep and k in AnnotatorConfig.model_fields}
     return AnnotatorConfig(**data)
 
