@@ -7,12 +7,12 @@ import math
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 from scipy import stats
 
 from rlver_lib.backends import Generation
+from rlver_lib.config import CapabilityConfig
 from rlver_lib.evaluation.capability import (
     check_math_answer,
     compare_retention,
@@ -195,16 +195,17 @@ def test_compare_scores_hand_computed():
 
 
 def test_retention_round_trip(tmp_path):
-    cfg = SimpleNamespace(n_humaneval_problems=2, humaneval_max_new_tokens=32, timeout_s=5.0, memory_mb=512,
-                          n_math_items=2, math_max_new_tokens=16)
+    cfg = CapabilityConfig(n_humaneval_problems=2, humaneval_max_new_tokens=32, n_math_items=2, math_max_new_tokens=16)
     problems = load_humaneval(2, seed=0)
     items = load_math_items(n=2)
 
     class Policy:
         def __init__(self, good):
             self.good = good
+            self.batches = []
 
         def generate(self, conversations, sampling, json_schema=None):
+            self.batches.append(len(conversations))
             out = []
             for conv in conversations:
                 text = conv[-1]["content"]
@@ -215,8 +216,13 @@ def test_retention_round_trip(tmp_path):
                     out.append(Generation(text="    return None\n"))
             return out
 
-    base = run_retention(Policy(False), cfg, tmp_path / "baseline", seed=0, n_boot=50)
+    base_policy = Policy(False)
+    base = run_retention(base_policy, cfg, tmp_path / "baseline", seed=0, n_boot=50)
     trained = run_retention(Policy(True), cfg, tmp_path / "trained", seed=0, n_boot=50)
+    assert base_policy.batches == [2, 2]  # each check's prompts in one batch (capability.batch_size 16)
+    one_by_one = Policy(False)
+    run_retention(one_by_one, cfg.model_copy(update={"batch_size": 1}), tmp_path / "one", seed=0, n_boot=50)
+    assert one_by_one.batches == [1, 1, 1, 1]
     assert base["humaneval"]["n"] == 2 and base["humaneval"]["pass_at_1"] == 0.0
     assert (base["math"]["accuracy"], trained["math"]["accuracy"]) == (0.0, 1.0)
     diffs = compare_retention(EvalFolder(tmp_path / "baseline"), EvalFolder(tmp_path / "trained"))

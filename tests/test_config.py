@@ -224,7 +224,9 @@ def test_the_quickstart_judge_is_built_from_its_config_as_before(monkeypatch):
     assert isinstance(judge, UserSimulator) and judge.backend is backend and judge.seed == cfg.seed
     assert judge.cfg is cfg.evaluation.judge  # its own config, not a rebuilt copy
     # every field as before, less the start emotion the judge never read (the opening prompt has
-    # none), plus the speculation added since, off: the judge decodes as it did
-    before = {k: v for k, v in QUICKSTART_JUDGE_BEFORE.items() if k != "initial_emotion"} | {"speculative": "none"}
+    # none), plus the speculation added since (off: the judge decodes as it did), and one
+    # server slot where it had 8 (params/quickstart.yaml says why)
+    before = {k: v for k, v in QUICKSTART_JUDGE_BEFORE.items() if k != "initial_emotion"} | {
+        "speculative": "none", "concurrency": 1}
     assert judge.cfg.model_dump(exclude={"seed"}) == before
     assert cfg.evaluation.initial_emotion == QUICKSTART_JUDGE_BEFORE["initial_emotion"]

@@ -405,7 +405,8 @@ def run_retention(policy: ChatBackend, cap_cfg: CapabilityConfig, out_dir: str |
 
     ``cap_cfg`` is a ``capability`` config block: ``n_humaneval_problems`` problems (seeded
     sample) at ``humaneval_max_new_tokens`` with ``timeout_s`` / ``memory_mb`` per
-    program, and ``n_math_items`` maths items at ``math_max_new_tokens`` (0 skips either).
+    program, and ``n_math_items`` maths items at ``math_max_new_tokens`` (0 skips either),
+    ``batch_size`` prompts at a time.
     Writes ``humaneval.jsonl`` (one row per problem), ``math.json`` (``accuracy``
     with a bootstrap interval and ``items``) and ``capability.json`` (headline
     figures).  Returns the ``capability.json`` content.
@@ -415,13 +416,15 @@ def run_retention(policy: ChatBackend, cap_cfg: CapabilityConfig, out_dir: str |
     if cap_cfg.n_humaneval_problems:
         problems = load_humaneval(cap_cfg.n_humaneval_problems, seed=seed)
         code = humaneval_pass_at_1(policy, problems, max_new_tokens=cap_cfg.humaneval_max_new_tokens,
-                                   timeout_s=cap_cfg.timeout_s, memory_mb=cap_cfg.memory_mb, seed=seed)
+                                   timeout_s=cap_cfg.timeout_s, memory_mb=cap_cfg.memory_mb,
+                                   batch_size=cap_cfg.batch_size, seed=seed)
         write_jsonl(folder.humaneval, code.table.to_dict(orient="records"))
         summary["humaneval"] = {"pass_at_1": code.pass_at_1, "n": len(code.table),
                                 "statuses": code.table["status"].value_counts().to_dict()}
     if cap_cfg.n_math_items:
         table = math_accuracy(policy, load_math_items(n=cap_cfg.n_math_items),
-                              max_new_tokens=cap_cfg.math_max_new_tokens, seed=seed)
+                              max_new_tokens=cap_cfg.math_max_new_tokens, batch_size=cap_cfg.batch_size,
+                              seed=seed)
         acc = bootstrap_ci(table["correct"].to_numpy(dtype=float), n_boot=n_boot,
                            confidence=confidence, seed=seed)
         atomic_write_json(folder.math, {"accuracy": asdict(acc), "checker": "math-verify",
