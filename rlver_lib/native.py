@@ -278,7 +278,10 @@ def _fetch_source(workdir: Path, log: Path) -> Path:
         out.write(f"\n$ download {LLAMA_CPP_SDIST_URL} (sha256 {LLAMA_CPP_SDIST_SHA256})\n")
     _download(LLAMA_CPP_SDIST_URL, LLAMA_CPP_SDIST_SHA256, archive)
     with tarfile.open(archive) as tar:
-        tar.extractall(workdir, filter="data")
+        # the "data" filter (refuses links and paths out of the folder) where this Python
+        # has it (3.12, and 3.8.17-3.11.4 onwards); Debian 12's 3.11.2 has not: the archive's
+        # sha256 was checked above, so its content is the pinned release's either way
+        tar.extractall(workdir, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     _say(f"{BINARY} source download: {time.monotonic() - start:.0f} s")
     return next(workdir.glob("llama_cpp_python-*/vendor/llama.cpp"))
 

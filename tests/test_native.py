@@ -257,6 +257,35 @@ def test_the_source_is_downloaded_directly_and_checked_against_its_sha256(tmp_pa
     assert not (tmp_path / "none.tar.gz").exists()
 
 
+@pytest.mark.parametrize("has_data_filter", [True, False], ids=["python-3.12", "python-3.11.2"])
+def test_the_source_unpacks_with_and_without_tarfiles_data_filter(tmp_path, file_server, monkeypatch,
+                                                                   has_data_filter):
+    """The sdist is unpacked by any Python the README allows: Debian 12's 3.11.2 has no
+    ``filter=`` argument to ``extractall`` (a cold set-up there once died on it)."""
+    import hashlib
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        data = b"project(llama.cpp)\n"
+        info = tarfile.TarInfo("llama_cpp_python-0.0.1/vendor/llama.cpp/CMakeLists.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    archive = tmp_path / "served" / "llama_cpp_python-0.0.1.tar.gz"
+    archive.write_bytes(buffer.getvalue())
+    monkeypatch.setattr(native, "LLAMA_CPP_SDIST_URL", f"{file_server}/{archive.name}")
+    monkeypatch.setattr(native, "LLAMA_CPP_SDIST_SHA256", hashlib.sha256(archive.read_bytes()).hexdigest())
+    if not has_data_filter:
+        monkeypatch.delattr(tarfile, "data_filter")
+        real = tarfile.TarFile.extractall
+        monkeypatch.setattr(tarfile.TarFile, "extractall", lambda self, path=".", members=None, *, numeric_owner=False:
+                            real(self, path, members, numeric_owner=numeric_owner))  # 3.11.2's signature
+    (tmp_path / "work").mkdir()
+    src = native._fetch_source(tmp_path / "work", tmp_path / "build.log")
+    assert (src / "CMakeLists.txt").read_bytes() == data
+
+
 @pytest.mark.parametrize("phase", ["configure", "compile"])
 def test_a_failed_build_shows_the_logs_tail_and_path_and_leaves_no_build(tmp_path, fake_cmake, capfd, monkeypatch,
                                                                           phase):
