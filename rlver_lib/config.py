@@ -401,8 +401,9 @@ class AnalysisConfig(_Strict):
     """The analysis stage (notebook 06; RLVER §5's strategy and reward-hacking questions).
 
     Each part is switched off by its count at 0 (docs/ARCHITECTURE.md "Config conventions").
-    ``annotator``: the strategy annotator (:class:`AnnotatorConfig`); ``None`` uses the
-    backend and model of ``evaluation.judge``, greedy.  ``n_annotated_replies``: replies
+    ``annotator``: the strategy annotator (:class:`AnnotatorConfig`); what it leaves unset
+    (all of it when ``None``) comes from ``evaluation.judge``'s backend and model, unless
+    it names another backend (``analysis.strategies.annotator_config``).  ``n_annotated_replies``: replies
     labelled per source (baseline, each training step, trained; 0: no strategy analysis).
     ``n_self_agreement_replies``: the first that many labelled again, each
     ``n_self_agreement_runs`` times under its own seed.  ``n_annotator_validation_items``:

@@ -119,6 +119,17 @@ never used (the judge and the strategy annotator were whole simulator configs th
 params file or override that sets one is refused with the reason; :func:`load_run_config`
 drops them from an old run's ``config.yaml``."""
 
+ADDED_KEYS: dict[str, Any] = {
+    "capability.batch_size": 8,
+    **{f"{section}.speculative": "none" for section in ("simulator", "evaluation.judge", "analysis.annotator")},
+}
+"""Keys added since runs were first saved, with the value that a run saved before a key
+existed ran with: ``{key: value}``. :func:`saved_run_config` writes it where an old
+``config.yaml`` lacks the key (and its section is there), so the run reads as it ran: it
+resumes unchanged where today's default is that value, and a resume whose value
+differs names the key (an old quickstart ran its capability prompts 8 at a time; today's
+default is 16)."""
+
 
 def _key_note(loc: str) -> str:
     """`` (removed: use <key>)`` for a :data:`RETIRED_KEYS` key, `` (<why>)`` for an
@@ -309,11 +320,24 @@ def upgrade_run_config(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def saved_run_config(data: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved ``config.yaml`` mapping (every key it had, written whole) as today's
+    keys: :func:`upgrade_run_config`, then the :data:`ADDED_KEYS` it lacks at the values
+    it ran with; a current mapping comes back equal."""
+    data = upgrade_run_config(data)
+    for key, value in ADDED_KEYS.items():
+        node, name = _parent(data, key)
+        if node is not None:
+            node.setdefault(name, value)
+    return data
+
+
 def load_run_config(
     path: str | Path, overrides: dict[str, Any] | list[str] | None = None
 ) -> RunConfig:
     """A run folder's saved ``config.yaml``, read as :func:`load_config` reads a params
-    file but through :func:`upgrade_run_config`: retired keys as the keys that replaced
+    file but through :func:`saved_run_config`: keys added since at the values it ran
+    with (:data:`ADDED_KEYS`), retired keys as the keys that replaced
     them (:data:`RETIRED_KEYS`), old stage names as their new ones
     (:data:`RENAMED_STAGES`), and without the :data:`UNUSED_KEYS`: versions before the
     judge and the strategy annotator got configs of their own wrote
@@ -321,7 +345,7 @@ def load_run_config(
     ``initial_emotion`` and appraisal settings) into every run's config; they never had
     an effect, so the run reads as it ran. Raises :class:`ConfigError` (a folder older
     than the table's cut-off: the key it does not know)."""
-    return build_config(upgrade_run_config(load_params(path)), overrides, source=str(path))
+    return build_config(saved_run_config(load_params(path)), overrides, source=str(path))
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -144,6 +144,30 @@ def test_an_old_runs_config_yaml_with_unused_keys_is_still_read(tmp_path):
         prepare_run_dir(cfg)
 
 
+def test_a_run_saved_before_a_key_existed_reads_at_the_value_it_ran_with(tmp_path):
+    """params.ADDED_KEYS: a quickstart folder saved before ``speculative`` and
+    ``capability.batch_size`` existed reads as it ran (no speculation, capability prompts
+    8 at a time); resuming it with today's params names the one key whose default moved."""
+    from rlver_lib.pipeline.run import prepare_run_dir
+
+    cfg = load_config(ROOT / "params" / "quickstart.yaml", {"output_root": str(tmp_path)})
+    saved = cfg.model_dump(mode="json")
+    del saved["capability"]["batch_size"]
+    for section in (saved["simulator"], saved["evaluation"]["judge"]):
+        del section["speculative"]
+    old = cfg.run_dir / "config.yaml"
+    old.parent.mkdir(parents=True)
+    old.write_text(yaml.safe_dump(saved), encoding="utf-8")
+    ran = load_run_config(old)
+    assert (ran.capability.batch_size, ran.simulator.speculative, ran.evaluation.judge.speculative) == (
+        8, "none", "none")
+    with pytest.raises(ConfigError, match=r"different config \(changed: capability\.batch_size\)"):
+        prepare_run_dir(cfg)
+    as_it_ran = cfg.model_copy(update={"capability": cfg.capability.model_copy(update={"batch_size": 8})})
+    prepare_run_dir(as_it_ran)  # resumes, its config.yaml rewritten with today's keys
+    assert load_run_config(old) == as_it_ran
+
+
 # the quickstart judge as it was built before the endpoint config: evaluation.judge
 # dumped, its seed popped, rebuilt as a SimulatorConfig at the benchmark's start emotion
 # (with the quickstart's later expected-value appraisal settings)

@@ -40,6 +40,7 @@ from rlver_lib.analysis.strategies import (
     taxonomy_table,
 )
 from rlver_lib.backends import Generation
+from rlver_lib.config import AnnotatorConfig
 from rlver_lib.params import load_config
 from rlver_lib.pipeline.report import describe_reliability
 from rlver_lib.stats import cohen_kappa
@@ -247,3 +248,16 @@ def test_the_default_annotator_takes_the_judges_model_with_one_local_slot_and_ng
     assert (annotator.backend, annotator.model) == (judge_backend, cfg.evaluation.judge.model)
     assert (annotator.concurrency, annotator.speculative, annotator.temperature) == (concurrency, "ngram", 0.0)
     assert cfg.evaluation.judge.speculative == "none"  # only the annotator drafts by default
+
+
+def test_an_annotator_section_takes_what_it_leaves_unset_from_the_judge():
+    """Switching the speculation off keeps the judge's model and settings; a section on
+    another backend takes nothing from the judge."""
+    cfg = load_config("params/quickstart.yaml", ["analysis.annotator.speculative=none"])
+    annotator = annotator_config(cfg)
+    judge = cfg.evaluation.judge
+    assert (annotator.model, annotator.n_ctx, annotator.max_retries) == (judge.model, 2048, 1) != (
+        AnnotatorConfig().model, AnnotatorConfig().n_ctx, AnnotatorConfig().max_retries)
+    assert (annotator.speculative, annotator.concurrency, annotator.temperature) == ("none", 1, 0.0)
+    rule = annotator_config(load_config("params/quickstart.yaml", ["analysis.annotator.backend=rule"]))
+    assert rule == AnnotatorConfig(backend="rule")

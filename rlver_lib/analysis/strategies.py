@@ -278,19 +278,21 @@ class RuleAnnotator:
 
 
 def annotator_config(cfg: RunConfig) -> AnnotatorConfig:
-    """The strategy annotator's config: ``cfg.analysis.annotator``, or when that is ``None`` a
-    :class:`rlver_lib.config.AnnotatorConfig` with the backend and model settings
-    of ``cfg.evaluation.judge`` (the benchmark judge's model) and the annotator defaults
-    (greedy; with a llamacpp judge also one slot and n-gram speculation, the judge's
-    ``concurrency`` kept for a server that is not on these cores)."""
-    if cfg.analysis.annotator is not None:
-        return cfg.analysis.annotator
+    """The strategy annotator's config: the benchmark judge's model (``cfg.evaluation.judge``:
+    its backend, model, URL, key variable, timeout, threads, context and retries) with the
+    annotator's defaults (greedy; one slot and n-gram speculation, or the judge's
+    ``concurrency`` for a judge that is not a llamacpp server on these cores), and over
+    them the fields that ``cfg.analysis.annotator`` sets. An annotator section that names
+    another backend than the judge's takes nothing from the judge."""
+    own = cfg.analysis.annotator
     source = cfg.evaluation.judge
+    given = own.model_dump(include=own.model_fields_set) if own is not None else {}
+    if given.get("backend", source.backend) != source.backend:
+        return own
     keep = {"backend", "model", "base_url", "api_key_env", "timeout_s", "n_threads", "n_ctx", "max_retries"}
     if source.backend != "llamacpp":
         keep.add("concurrency")
-    data = {k: v for k, v in source.model_dump().items() if k in keep and k in AnnotatorConfig.model_fields}
-    return AnnotatorConfig(**data)
+    return AnnotatorConfig(**{k: v for k, v in source.model_dump().items() if k in keep} | given)
 
 
 @contextmanager

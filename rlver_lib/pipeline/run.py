@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from rlver_lib.config import ConfigError, RunConfig
 from rlver_lib.files import PROJECT_ROOT, RunFolder, atomic_write_json, atomic_write_text, process_rank
-from rlver_lib.params import dump_config, upgrade_run_config
+from rlver_lib.params import dump_config, saved_run_config
 from rlver_lib.pipeline.execution import execute_notebook
 from rlver_lib.pipeline.manifest import new_manifest, read_manifest, track_peak_memory, utc_now
 from rlver_lib.pipeline.report import render_report, report_header
@@ -226,7 +226,8 @@ def prepare_run_dir(cfg: RunConfig, params_file: str | None = None) -> tuple[Pat
     :class:`ConfigError` (resuming must not silently change the experiment); change
     ``run_name`` or delete the folder. A ``config.yaml`` that differs only in retired
     keys (:data:`rlver_lib.params.RETIRED_KEYS`), in the keys an older version wrote but
-    never used (:data:`rlver_lib.params.UNUSED_KEYS`), in the old names of stages
+    never used (:data:`rlver_lib.params.UNUSED_KEYS`), in keys added since at the values
+    it ran with (:data:`rlver_lib.params.ADDED_KEYS`), in the old names of stages
     (:data:`~rlver_lib.config.RENAMED_STAGES`) or in the order of its keys is the same
     experiment: it is rewritten and the run resumes.
     """
@@ -234,7 +235,7 @@ def prepare_run_dir(cfg: RunConfig, params_file: str | None = None) -> tuple[Pat
     config_path = RunFolder(run_dir).config
     resolved = dump_config(cfg)
     if config_path.exists() and config_path.read_text(encoding="utf-8") != resolved:
-        old = upgrade_run_config(yaml.safe_load(config_path.read_text(encoding="utf-8")) or {})
+        old = saved_run_config(yaml.safe_load(config_path.read_text(encoding="utf-8")) or {})
         new = cfg.model_dump(mode="json")
         changed = sorted(diff_keys(old, new))
         if changed:
