@@ -259,5 +259,11 @@ def test_an_annotator_section_takes_what_it_leaves_unset_from_the_judge():
     assert (annotator.model, annotator.n_ctx, annotator.max_retries) == (judge.model, 2048, 1) != (
         AnnotatorConfig().model, AnnotatorConfig().n_ctx, AnnotatorConfig().max_retries)
     assert (annotator.speculative, annotator.concurrency, annotator.temperature) == ("none", 1, 0.0)
+    remote = annotator_config(load_config("params/quickstart.yaml", [  # a judge elsewhere stays the annotator's
+        "evaluation.judge.backend=openai", "evaluation.judge.base_url=http://10.0.0.5:8000/v1",
+        "evaluation.judge.model=my-big-judge", "evaluation.judge.concurrency=6",
+        "analysis.annotator.speculative=none"]))
+    assert (remote.backend, remote.base_url, remote.model, remote.concurrency) == (
+        "openai", "http://10.0.0.5:8000/v1", "my-big-judge", 6)
     rule = annotator_config(load_config("params/quickstart.yaml", ["analysis.annotator.backend=rule"]))
     assert rule == AnnotatorConfig(backend="rule")
