@@ -41,6 +41,7 @@ from rlver_lib.pipeline.run import (
     run_pipeline,
     sigterm_as_interrupt,
     single_process_environment,
+    threads_per_process,
 )
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -49,13 +50,14 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 def configure_threads(threads: int | None) -> None:
     """Set the BLAS/OpenMP thread variables; must run before torch is imported.
 
-    An explicit ``threads`` wins; otherwise variables already set are kept and
-    unset ones default to the number of CPUs this process may use.
+    An explicit ``threads`` wins, shared among the processes of a launch on this
+    machine (:func:`~rlver_lib.pipeline.run.threads_per_process`); otherwise variables
+    already set are kept and unset ones default to the number of CPUs this process may use.
     """
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     for var in _THREAD_VARS:
         if threads:
-            os.environ[var] = str(threads)
+            os.environ[var] = str(threads_per_process(threads))
         else:
             os.environ.setdefault(var, os.environ.get("OMP_NUM_THREADS", str(available or 1)))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

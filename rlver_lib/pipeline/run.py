@@ -174,6 +174,15 @@ def without_launcher(environ: Mapping[str, str]) -> dict[str, str]:
             if k not in LAUNCHER_VARIABLES and (k == "ACCELERATE_USE_CPU" or not k.startswith(LAUNCHER_PREFIXES))}
 
 
+def threads_per_process(threads: int, environ: Mapping[str, str] = os.environ) -> int:
+    """The CPU threads of one process when a run is given ``threads`` (the ``threads:``
+    setting: the cores the whole run may use on this machine): ``threads`` divided among
+    the ``LOCAL_WORLD_SIZE`` processes that a launcher started on this machine, at least 1.
+    Each rank taking all ``threads`` oversubscribes the cores, and OpenMP's spin-waits then
+    make a CPU step about 10x slower (docs/MEASURED.md, "Threads")."""
+    return max(1, threads // max(1, int(environ.get("LOCAL_WORLD_SIZE") or 1)))
+
+
 @contextmanager
 def single_process_environment() -> Iterator[None]:
     """Run the ``with`` body (and the processes it starts) as one process outside any
@@ -195,9 +204,10 @@ def single_process_environment() -> Iterator[None]:
 @contextmanager
 def kernel_environment(cfg: RunConfig, stage: Stage | None = None) -> Iterator[None]:
     """Make the kernel of ``stage`` import this ``rlver_lib`` and use ``cfg.threads``.
-    Only a stage marked ``distributed`` (training) keeps the launcher's variables; any
-    other (and a notebook of no stage, ``stage=None``) runs as one process outside the
-    launch (:func:`without_launcher`)."""
+    Only a stage marked ``distributed`` (training) keeps the launcher's variables, and
+    its kernel gets its share of the threads (:func:`threads_per_process`); any other (and
+    a notebook of no stage, ``stage=None``) runs as one process outside the launch
+    (:func:`without_launcher`), with all of them."""
     saved = dict(os.environ)
     if stage is None or not stage.distributed:
         os.environ.clear()
@@ -205,8 +215,9 @@ def kernel_environment(cfg: RunConfig, stage: Stage | None = None) -> Iterator[N
     paths = [str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if cfg.threads:
+        threads = threads_per_process(cfg.threads)
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ[var] = str(cfg.threads)
+            os.environ[var] = str(threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MPLBACKEND", "Agg")
     try:
