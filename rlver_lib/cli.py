@@ -32,13 +32,11 @@ from pathlib import Path
 from rlver_lib.config import ConfigError, RunConfig
 from rlver_lib.files import process_rank
 from rlver_lib.params import load_config
-from rlver_lib.pipeline.ablate import load_grid, run_ablation
-from rlver_lib.pipeline.run import (
+from rlver_lib.pipeline.process import (
     PipelineError,
     RunInterrupted,
     Terminated,
     run_folder_lock,
-    run_pipeline,
     sigterm_as_interrupt,
     single_process_environment,
     threads_per_process,
@@ -71,6 +69,8 @@ def _load(path: str, overrides: list[str]) -> RunConfig:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args.params, args.set)
+    from rlver_lib.pipeline.run import run_pipeline  # after configure_threads, as every model library
+
     report = run_pipeline(cfg, params_file=args.params, progress=not args.no_progress)
     print(f"report: {report}")
     return 0
@@ -90,6 +90,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_ablate(args: argparse.Namespace) -> int:
+    from rlver_lib.pipeline.ablate import load_grid, run_ablation
+
     _, cells = load_grid(args.grid, args.set)  # validates every cell before anything runs
     configure_threads(cells[0].config.threads)
     report = run_ablation(args.grid, args.set, progress=not args.no_progress)

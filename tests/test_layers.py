@@ -38,6 +38,8 @@ TESTED_WITH: dict[str, tuple[str, str]] = {
     "vllm_server": ("test_vllm_serve.py", "named after the command it serves"),
     "user_prompts": ("test_simulator.py", "the prompts through the simulator that sends them"),
     "evaluation.agreement_stats": ("test_agreement.py", "the statistics of one command's result"),
+    "pipeline.process": ("test_run_process.py", "the folder's lock and the signals, on real runs; the launcher's "
+                         "variables in test_stage_environment.py"),
 }
 """Modules tested in another module's file: ``{module: (test file, why)}``; every other
 module ``a`` or ``folder.a`` has ``tests/test_a.py`` or ``tests/test_folder_a.py``."""
