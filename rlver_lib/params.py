@@ -194,14 +194,19 @@ def _override_of(loc: str, kind: str, overrides: dict[str, str]) -> str | None:
 def _format_error(source: str, err: ValidationError, overrides: dict[str, str] | None = None) -> str:
     """One line per error: ``<source>: <key>: <message>`` for the params data, or
     ``--set <key>=<value>: ...`` for an override; an unknown key, in either, with the
-    closest valid keys and all of the section's (:func:`_unknown_key_hint`)."""
+    closest valid keys and all of the section's (:func:`_unknown_key_hint`). A check of
+    a whole section (or of the whole config) names the params data and the overrides
+    set inside it: ``<source> with --set <key>=<value>: <section>: <message>``."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         label = _override_of(loc, e["type"], overrides or {}) if e["loc"] else None
         if label is None:
             detail = _unknown_key_hint(loc) if e["type"] == "extra_forbidden" else e["msg"]
-            lines.append(f"{source}: {loc}: {detail}")
+            # a check of a whole section (or of the config) may fail for an override set below it
+            below = [text for key, text in (overrides or {}).items()
+                     if e["type"] != "extra_forbidden" and (not e["loc"] or key.startswith(loc + "."))]
+            lines.append(f"{source}{' with ' + ', '.join(below) if below else ''}: {loc}: {detail}")
         elif e["type"] == "extra_forbidden":
             lines.append(f"{label}: {_unknown_key_hint(loc)}")
         else:

@@ -3,6 +3,7 @@ the strategy annotator's sections, and old run folders' config.yaml."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,6 +54,24 @@ def test_an_unknown_override_key_names_the_override_and_the_sections_keys(tmp_pa
     removed = r"^--set evaluation\.n_scenarios=3: .*\(removed: use scenarios\.n_test_scenarios\)$"
     with pytest.raises(ConfigError, match=removed):
         load_config(params, ["evaluation.n_scenarios=3"])
+
+
+def test_a_section_check_that_an_override_breaks_names_the_file_and_the_override(tmp_path):
+    """A check of a whole section (``evaluation``'s SAGE protocol) or of the whole config
+    (the learner's refusals) reports at the section, not at the key: the override set
+    inside it is named beside the file, which alone is not to blame."""
+    params = tmp_path / "x.yaml"
+    params.write_text("evaluation:\n  max_turns: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(params))} with --set evaluation\.protocol=sage: "
+                                          r"evaluation: .*protocol 'sage' fixes"):
+        load_config(params, ["evaluation.protocol=sage"])
+    # the whole config's check cannot tell which override broke it: every one is named
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(params))} with --set policy\.lora\.dropout=0\.1, "
+                                          r"--set run_name=r: \(top level\): .*dropout"):
+        load_config(params, ["policy.lora.dropout=0.1", "run_name=r"])
+    params.write_text("evaluation:\n  max_turns: 3\n  protocol: sage\n")  # the file's own: the file alone
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(params))}: evaluation: "):
+        load_config(params, ["training.steps=2"])
 
 
 def test_an_unknown_key_of_the_params_file_keeps_naming_the_file(tmp_path):
