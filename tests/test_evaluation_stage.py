@@ -111,3 +111,23 @@ def test_evaluate_on_a_non_main_rank_loads_nothing_and_calls_no_judge(tmp_path, 
     assert evaluate(cfg, label="baseline") is None
     assert eval_command(cfg) == 0
     assert calls == [] and not cfg.run_dir.exists()
+
+
+@pytest.mark.parametrize("n_scenarios", [3, 12])
+def test_the_headline_table_keeps_its_intervals_and_greys_them_below_ten_scenarios(n_scenarios):
+    """As the run's headline does: the interval is shown, and over fewer than 10 scenarios
+    greyed with the reason (it used to be NaN there)."""
+    from rlver_lib.evaluation.stage import headline_table
+
+    finals = [20 + 5 * i for i in range(n_scenarios)]
+    summary = summarize([scored(f"s{i}", 0, final) for i, final in enumerate(finals)], n_boot=200)
+    styled = headline_table(summary)
+    table = styled.data
+    assert table.loc["sentient_score", "value"] == pytest.approx(np.mean(finals))
+    low, high = table.loc["sentient_score", ["low", "high"]]
+    assert min(finals) <= low < np.mean(finals) < high <= max(finals)  # a percentile interval, never NaN
+    html = styled.to_html()
+    assert f"{np.mean(finals):.1f}" in html
+    assert ("color: #999" in html) == (n_scenarios < 10)
+    assert (f"n = {n_scenarios} scenarios &lt; 10" in html or f"n = {n_scenarios} scenarios < 10" in html) \
+        == (n_scenarios < 10)

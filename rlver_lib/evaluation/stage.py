@@ -10,7 +10,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from rlver_lib.backends import ChatBackend
@@ -26,17 +25,22 @@ from rlver_lib.scenarios import load_scenarios
 from rlver_lib.stats import MIN_N, format_p
 
 
-def headline_table(summary: BenchmarkSummary) -> pd.DataFrame:
-    """The four headline figures with their intervals: index ``metric``, columns
-    ``value, low, high``; intervals over fewer than :data:`rlver_lib.stats.MIN_N`
-    scenarios are left out (NaN)."""
-    rows = []
-    for name in ("sentient_score", "success_rate", "failure_rate", "mean_turns"):
-        est = getattr(summary, name)
-        small = summary.n_scenarios < MIN_N
-        rows.append({"metric": name, "value": est.value, "low": np.nan if small else est.low,
-                     "high": np.nan if small else est.high})
-    return pd.DataFrame(rows).set_index("metric")
+def headline_table(summary: BenchmarkSummary) -> Any:
+    """The four headline figures with their intervals (index ``metric``, columns ``value,
+    low, high``; the Sentient score and mean turns to one decimal, the rates to two) as a
+    pandas ``Styler``, its data at ``.data``. Over fewer than
+    :data:`rlver_lib.stats.MIN_N` scenarios the figures are greyed and the caption says
+    the interval says little, as in :func:`styled_breakdown` and the run's headline."""
+    rows = [{"metric": name, "value": getattr(summary, name).value, "low": getattr(summary, name).low,
+             "high": getattr(summary, name).high}
+            for name in ("sentient_score", "success_rate", "failure_rate", "mean_turns")]
+    table = pd.DataFrame(rows).set_index("metric")
+    styled = (table.style.format("{:.1f}", subset=pd.IndexSlice[["sentient_score", "mean_turns"], :])
+              .format("{:.2f}", subset=pd.IndexSlice[["success_rate", "failure_rate"], :]))
+    if summary.n_scenarios < MIN_N:
+        styled = styled.set_properties(color="#999").set_caption(
+            f"grey: n = {summary.n_scenarios} scenarios < {MIN_N}, the interval says little")
+    return styled
 
 
 def styled_breakdown(breakdown: pd.DataFrame) -> Any:
