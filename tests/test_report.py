@@ -13,6 +13,7 @@ from rlver_lib.pipeline.report import (
     ablation_header,
     cut_statement,
     limits_statement,
+    policy_statement,
     render_report,
     report_header,
     training_statement,
@@ -106,3 +107,18 @@ def test_cut_statement_gives_each_counts_range_over_the_steps_and_nothing_for_ol
     assert "context budget: 0 % a step" in text
     assert "shortened to fit its context: 0-25 % a step" in text
     assert cut_statement(pd.DataFrame({"reward_mean": [0.5]})) == ""
+
+
+def test_policy_statement_names_this_runs_adapter_relative_to_the_run_folder(tmp_path):
+    """Notebook 04's policy line: the run's own adapter as ``train/adapter`` (a report names
+    no machine's folders), an adapter from elsewhere as given, none for the base policy."""
+    run_dir = tmp_path / "outputs" / "r"
+    own = build_config({"policy": {"adapter": str(run_dir / "train" / "adapter")}})
+    assert policy_statement(own, run_dir, "trained") == \
+        f"**Policy** `{own.policy.model}` + LoRA adapter `train/adapter` (this run's) · label `trained`"
+    assert str(tmp_path) not in policy_statement(own, run_dir, "trained")
+    other = build_config({"policy": {"adapter": "elsewhere/adapter"}})
+    assert policy_statement(other, run_dir, "x") == \
+        f"**Policy** `{other.policy.model}` + LoRA adapter `elsewhere/adapter` · label `x`"
+    assert policy_statement(build_config({}), run_dir, "baseline") == \
+        f"**Policy** `{own.policy.model}` · label `baseline`"

@@ -327,6 +327,18 @@ def training_statement(cfg: RunConfig, n_scenarios: int) -> str:
             f"simulator `{cfg.simulator.backend}`, think mode {'on' if cfg.policy.think else 'off'}")
 
 
+def policy_statement(cfg: RunConfig, run_dir: Path, label: str) -> str:
+    """Markdown naming the policy notebook 04 benchmarks: the model, the LoRA adapter
+    (``policy.adapter``; relative to the run folder when it lies inside it, so a report
+    names no machine's folders) and the label of ``eval/<label>/``."""
+    adapter = cfg.policy.adapter
+    if adapter:
+        path = Path(adapter).resolve()
+        shown = path.relative_to(run_dir.resolve()) if path.is_relative_to(run_dir.resolve()) else adapter
+        adapter_text = f" + LoRA adapter `{shown}`" + (" (this run's)" if shown != adapter else "")
+    return f"**Policy** `{cfg.policy.model}`" + (adapter_text if adapter else "") + f" · label `{label}`"
+
+
 #: The per-step counts of what was cut to fit (``train/metrics.jsonl``), with their words.
 CUT_METRICS = {
     "reply_cut_rate": "policy replies that hit `policy.max_new_tokens`",
