@@ -14,7 +14,8 @@ hash of its stamp (:func:`shared_build_dir`), so another checkout or virtual
 environment on a machine whose CPU gets the same options copies it instead of
 compiling again (7 minutes on 2 cores); a CPU that gets other options builds its own.
 The compiler's output goes to a log beside that folder (:func:`build_log`); the console
-gets one line per phase with its time, and on failure the log's tail and its path.
+gets one line per phase with its time (and a line a minute with the percentage while a
+phase runs), and on failure the log's tail and its path.
 
 ``python -m rlver_lib.native build`` builds it (what ``make setup`` runs);
 ``python -m rlver_lib.native cmake-args`` prints the flags for this CPU.
@@ -229,19 +230,49 @@ def _log_tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+PROGRESS_EVERY_S = 60.0
+"""While a phase runs, a console line this often with the build's percentage (the last
+``[ NN%]`` the Makefiles printed to the log), so a compile of minutes is not silent."""
+
+
+def _progress(log: Path) -> int | None:
+    """The last build percentage (``[ 57%] Building CXX object ...``) in the log's last
+    8 KiB, or ``None`` when there is none yet."""
+    try:
+        with log.open("rb") as f:
+            f.seek(max(0, log.stat().st_size - 8192))
+            tail = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    found = re.findall(r"^\[\s*(\d{1,3})%\]", tail, flags=re.MULTILINE)
+    return int(found[-1]) if found else None
+
+
 def _phase(name: str, command: list[str], log: Path) -> None:
     """Run one build phase with its output appended to ``log``; print one line with its
-    time. Raises :class:`NativeBuildError` (after printing the log's last
+    time, and every :data:`PROGRESS_EVERY_S` while it runs a line with the build's
+    percentage. Raises :class:`NativeBuildError` (after printing the log's last
     :data:`LOG_TAIL_LINES` lines and its path) when the command fails or is missing."""
     start = time.monotonic()
     with log.open("a", encoding="utf-8") as out:
         out.write(f"\n$ {' '.join(command)}\n")
         out.flush()
         try:
-            returncode = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL).returncode
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         except OSError as err:
             raise NativeBuildError(f"{BINARY} {name}: cannot run {command[0]}: {err}") from None
+        with process:  # Ctrl-C (or any error) kills the phase's command on the way out
+            while True:
+                try:
+                    returncode = process.wait(timeout=PROGRESS_EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    percent = _progress(log)
+                    if percent is not None:
+                        _say(f"{BINARY} {name}: {percent}% after {time.monotonic() - start:.0f} s")
+                except BaseException:
+                    process.kill()
+                    raise
     took = time.monotonic() - start
     if returncode:
         _say(f"{BINARY} {name} FAILED after {took:.0f} s (exit status {returncode}); "
@@ -296,7 +327,8 @@ def build(root: Path | None = None, *, source: Path | None = None, jobs: int | N
     are written to a temporary folder and moved into place, so ``root`` (and the copy)
     holds a complete build or none. CMake's and the compiler's output go to
     :func:`build_log`; the console gets one line per phase (source download, configure,
-    compile, install) with its time. Raises :class:`NativeBuildError` when a phase fails,
+    compile, install) with its time, and a line a minute with the percentage while a
+    phase runs (:func:`_phase`). Raises :class:`NativeBuildError` when a phase fails,
     after printing the log's last :data:`LOG_TAIL_LINES` lines and its path. Returns the
     binary's path.
     """

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 
 import pytest
 from native_support import SIGILL_SERVER, executable_script
@@ -421,3 +422,23 @@ def test_training_step_with_a_dying_simulator_fails_cleanly_and_resumes(tmp_path
     resumed = Trainer(cfg, tiny_scenarios(2), simulator=RuleSimulator())
     assert resumed.step == 1
     assert [r["step"] for r in resumed.train()] == [1, 2]
+
+
+def test_a_long_phase_prints_the_builds_percentage_while_it_runs(tmp_path, monkeypatch, capfd):
+    """A compile of minutes is not silent: every ``PROGRESS_EVERY_S`` a console line with
+    the last ``[ NN%]`` the Makefiles wrote to the log; then the phase's one line."""
+    monkeypatch.setattr(native, "PROGRESS_EVERY_S", 0.25)
+    script = tmp_path / "make.py"
+    script.write_text("import time\nprint('[  9%] Building C object a.o', flush=True)\n"
+                      "print('[ 57%] Building CXX object b.o', flush=True)\nprint('warning: [ 99%] not a line start')\n"
+                      "time.sleep(2.0)\n")
+    log = tmp_path / "build.log"
+    native._phase("compile", [sys.executable, str(script)], log)
+    console = capfd.readouterr().err.splitlines()
+    progress = [line for line in console if re.search(r"llama-server compile: \d+% after \d+ s", line)]
+    assert progress and all("57%" in line for line in progress), console
+    assert re.search(r"llama-server compile: \d+ s$", console[-1]), console
+    assert native._progress(log) == 57
+    assert native._progress(tmp_path / "missing.log") is None
+    (tmp_path / "quiet.log").write_text("-- Configuring done\n")
+    assert native._progress(tmp_path / "quiet.log") is None
