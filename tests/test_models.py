@@ -189,6 +189,18 @@ def test_the_quickstart_leaves_the_dtype_to_the_hardware_and_learning_recipes_fi
     assert load_config(ROOT / "params" / "paper-ppo-think-moderate.yaml").policy.dtype == "bfloat16"
 
 
+def test_the_several_turn_recipes_judge_runs_on_one_slot_so_its_benchmark_replays():
+    # with several slots llama.cpp batches the judge's prompts with whatever else is in
+    # flight, its P(yes) moves, and a sampled user message then sends a dialogue elsewhere
+    # (docs/MEASURED.md "Dialogues of three policy turns": s.d. 7.6 points a scenario)
+    from rlver_lib.pipeline.ablate import load_grid
+
+    for recipe in ("laptop-grpo-3turn.yaml", "ablation-credit.yaml"):
+        path = ROOT / "params" / recipe
+        cfg = load_config(path) if recipe.startswith("laptop") else load_grid(path)[1][0].config
+        assert cfg.evaluation.max_turns == 3 and cfg.evaluation.judge.concurrency == 1, recipe
+
+
 @pytest.mark.parametrize("adapter, message", [
     ("/no/such/adapter", "no such adapter folder"),
     ("./missing-adapter", "no such adapter folder"),
