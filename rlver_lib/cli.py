@@ -49,7 +49,7 @@ def configure_threads(threads: int | None) -> None:
     """Set the BLAS/OpenMP thread variables; must run before torch is imported.
 
     An explicit ``threads`` wins, shared among the processes of a launch on this
-    machine (:func:`~rlver_lib.pipeline.run.threads_per_process`); otherwise variables
+    machine (:func:`~rlver_lib.pipeline.process.threads_per_process`); otherwise variables
     already set are kept and unset ones default to the number of CPUs this process may use.
     """
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

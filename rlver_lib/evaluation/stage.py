@@ -31,10 +31,11 @@ def headline_table(summary: BenchmarkSummary) -> Any:
     pandas ``Styler``, its data at ``.data``. Over fewer than
     :data:`rlver_lib.stats.MIN_N` scenarios the figures are greyed and the caption says
     the interval says little, as in :func:`styled_breakdown` and the run's headline."""
-    rows = [{"metric": name, "value": getattr(summary, name).value, "low": getattr(summary, name).low,
-             "high": getattr(summary, name).high}
-            for name in ("sentient_score", "success_rate", "failure_rate", "mean_turns")]
-    table = pd.DataFrame(rows).set_index("metric")
+    estimates = {name: getattr(summary, name) for name in ("sentient_score", "success_rate", "failure_rate",
+                                                           "mean_turns")}
+    table = pd.DataFrame({"value": [e.value for e in estimates.values()], "low": [e.low for e in estimates.values()],
+                          "high": [e.high for e in estimates.values()]},
+                         index=pd.Index(list(estimates), name="metric"))
     styled = (table.style.format("{:.1f}", subset=pd.IndexSlice[["sentient_score", "mean_turns"], :])
               .format("{:.2f}", subset=pd.IndexSlice[["success_rate", "failure_rate"], :]))
     if summary.n_scenarios < MIN_N:

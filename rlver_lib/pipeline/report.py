@@ -331,12 +331,14 @@ def policy_statement(cfg: RunConfig, run_dir: Path, label: str) -> str:
     """Markdown naming the policy notebook 04 benchmarks: the model, the LoRA adapter
     (``policy.adapter``; relative to the run folder when it lies inside it, so a report
     names no machine's folders) and the label of ``eval/<label>/``."""
-    adapter = cfg.policy.adapter
-    if adapter:
-        path = Path(adapter).resolve()
-        shown = path.relative_to(run_dir.resolve()) if path.is_relative_to(run_dir.resolve()) else adapter
-        adapter_text = f" + LoRA adapter `{shown}`" + (" (this run's)" if shown != adapter else "")
-    return f"**Policy** `{cfg.policy.model}`" + (adapter_text if adapter else "") + f" · label `{label}`"
+    adapter, run = cfg.policy.adapter, run_dir.resolve()
+    if not adapter:
+        named = ""
+    elif Path(adapter).resolve().is_relative_to(run):
+        named = f" + LoRA adapter `{Path(adapter).resolve().relative_to(run)}` (this run's)"
+    else:
+        named = f" + LoRA adapter `{adapter}`"
+    return f"**Policy** `{cfg.policy.model}`{named} · label `{label}`"
 
 
 #: The per-step counts of what was cut to fit (``train/metrics.jsonl``), with their words.
