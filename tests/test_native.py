@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 from native_support import SIGILL_SERVER, executable_script
@@ -195,31 +196,56 @@ def test_a_build_prints_one_line_per_phase_and_logs_the_compiler_output(tmp_path
     assert native.build_info(tmp_path / "venv")["cmake_args"] == fake_cmake  # the stamp is kept
 
 
-def test_ggml_compiles_at_o3_and_the_rest_at_o1(tmp_path, monkeypatch):
+def test_ggml_compiles_at_o3_alone_and_the_rest_at_o1_in_unity_batches(tmp_path, monkeypatch):
     """Real cmake and a real compiler on llama.cpp's layout in small: a top project with
-    the server and a ``ggml`` sub-project; the compile commands in the build log show the
-    optimisation level of each."""
+    the server, ``common`` and ``tools/mtmd`` libraries and a ``ggml`` sub-project. Pairs
+    of files define the same static helper, so a file in the wrong batch fails the build:
+    ggml's two kernels (ggml stays file by file), ``json.cpp`` beside ``arg.cpp`` and
+    the mtmd helpers beside ``clip.cpp`` (the three files kept out of the batches). The
+    compile commands in the build log show each file's batch and optimisation level."""
     if not shutil.which("cmake") or not shutil.which("c++"):
         pytest.skip("needs cmake and a C++ compiler")
     monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))
     src = tmp_path / "src"
-    (src / "ggml").mkdir(parents=True)
-    (src / "CMakeLists.txt").write_text(
-        'cmake_minimum_required(VERSION 3.14)\nproject("llama.cpp" CXX)\nset(CMAKE_VERBOSE_MAKEFILE ON)\n'
-        "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
-        "add_subdirectory(ggml)\nadd_executable(llama-server server.cpp)\n"
-        "target_link_libraries(llama-server ggml)\n")
-    (src / "ggml" / "CMakeLists.txt").write_text('project("ggml" CXX)\nadd_library(ggml kernel.cpp)\n')
-    (src / "server.cpp").write_text("int kernel();\nint main() { return kernel(); }\n")
-    (src / "ggml" / "kernel.cpp").write_text("int kernel() { return 0; }\n")
+    helper = "static int helper() { return 1; }\n"
+    files = {
+        "CMakeLists.txt": 'cmake_minimum_required(VERSION 3.14)\nproject("llama.cpp" CXX)\n'
+                          "set(CMAKE_VERBOSE_MAKEFILE ON)\n"
+                          "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
+                          "add_subdirectory(ggml)\nadd_subdirectory(common)\nadd_subdirectory(tools/mtmd)\n"
+                          "add_executable(llama-server server.cpp route.cpp)\n"
+                          "target_link_libraries(llama-server llama-common mtmd ggml)\n",
+        "server.cpp": "int kernel(); int ops(); int arg(); int json(); int clip(); int route();\n"
+                      "int main() { return kernel() + ops() + arg() + json() + clip() + route(); }\n",
+        "route.cpp": "int route() { return 0; }\n",
+        "ggml/CMakeLists.txt": 'project("ggml" CXX)\nadd_library(ggml kernel.cpp ops.cpp)\n',
+        "ggml/kernel.cpp": helper + "int kernel() { return helper() - 1; }\n",
+        "ggml/ops.cpp": helper + "int ops() { return helper() - 1; }\n",
+        "common/CMakeLists.txt": "add_library(llama-common arg.cpp json.cpp)\n",
+        "common/arg.cpp": helper + "int arg() { return helper() - 1; }\n",
+        "common/json.cpp": helper + "int json() { return helper() - 1; }\n",
+        "tools/mtmd/CMakeLists.txt": "add_library(mtmd clip.cpp mtmd-helper.cpp mtmd-helper-gen.cpp)\n",
+        "tools/mtmd/clip.cpp": helper + "int clip() { return helper() - 1; }\n",
+        "tools/mtmd/mtmd-helper.cpp": helper + "int mtmd_helper() { return helper(); }\n",
+        "tools/mtmd/mtmd-helper-gen.cpp": helper + "int mtmd_helper_gen() { return helper(); }\n",
+    }
+    for rel, text in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
     flags = native.cpu_flags(f"flags : {AVX2_ONLY}")
     monkeypatch.setattr(native, "cpu_flags", lambda: flags)
     args = native.cmake_args(flags)
     native.build(tmp_path / "venv", source=src, jobs=1)
     compiles = [line for line in native.build_log(args).read_text().splitlines() if " -c " in line]
-    levels = {name: re.findall(r"(?<!\S)-O\d", line) for line in compiles
-              for name in ("kernel.cpp", "server.cpp") if line.rstrip().endswith(name)}
-    assert levels == {"kernel.cpp": ["-O3"], "server.cpp": ["-O1"]}, compiles
+    levels = {Path(line.split()[-1]).name: re.findall(r"(?<!\S)-O\d", line) for line in compiles}
+    assert levels == {
+        "kernel.cpp": ["-O3"], "ops.cpp": ["-O3"],  # ggml: file by file, -O3
+        "json.cpp": ["-O1"], "mtmd-helper.cpp": ["-O1"], "mtmd-helper-gen.cpp": ["-O1"],  # alone
+        "unity_0_cxx.cxx": ["-O1"],  # each of the three other targets' batch
+    }, compiles
+    batches = sorted(line.split()[-1].split("CMakeFiles/")[1].split("/")[0] for line in compiles
+                     if line.rstrip().endswith("unity_0_cxx.cxx"))
+    assert batches == ["llama-common.dir", "llama-server.dir", "mtmd.dir"], compiles
 
 
 @pytest.fixture
