@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import nbformat
 import numpy as np
-from nbconvert import HTMLExporter
-from nbconvert.preprocessors import TagRemovePreprocessor
 
-from rlver_lib.algorithm_objects import algorithm_for
 from rlver_lib.appraisal import appraisal_mode
-from rlver_lib.config import EvaluationConfig, RunConfig
+from rlver_lib.config import EvaluationConfig, RunConfig, TrainingConfig
 from rlver_lib.evaluation.benchmark import BenchmarkSummary
 from rlver_lib.evaluation.capability import RetentionComparison
 from rlver_lib.evaluation.judge import Judge
@@ -29,6 +25,13 @@ from rlver_lib.evaluation.paired import PairedComparison
 from rlver_lib.files import RunFolder, atomic_write_text
 from rlver_lib.params import load_run_config
 from rlver_lib.stats import MIN_N, format_p
+
+if TYPE_CHECKING:
+    import nbformat
+
+# nbformat / nbconvert (2-3 s to import: jsonschema's format checkers build a grammar) and
+# the algorithm objects (torch) are imported where they are used, so a notebook kernel that
+# only displays statements, as every stage's does, starts without them
 
 # --------------------------------------------------------------------------- the HTML
 
@@ -63,6 +66,10 @@ def render_report(notebooks: list[Path], html_path: Path, header_markdown: str) 
     are dropped; errors and figures stay, figures embedded as data URIs.
     Written atomically; returns ``html_path``.
     """
+    import nbformat
+    from nbconvert import HTMLExporter
+    from nbconvert.preprocessors import TagRemovePreprocessor
+
     report = nbformat.v4.new_notebook()
     report.cells.append(nbformat.v4.new_markdown_cell(header_markdown))
     for number, path in enumerate(notebooks):
@@ -95,6 +102,14 @@ def render_report(notebooks: list[Path], html_path: Path, header_markdown: str) 
 # --------------------------------------------------------------------------- a run's header
 
 
+def _algorithm_label(training: TrainingConfig) -> str:
+    """The report label of ``training``'s algorithm object
+    (:attr:`rlver_lib.algorithm_objects.Algorithm.label`)."""
+    from rlver_lib.algorithm_objects import algorithm_for
+
+    return algorithm_for(training).label
+
+
 def limits_statement(cfg: RunConfig, *, per_cell: bool = False) -> str:
     """Markdown naming the models that ran and, for the small embedded models or the
     rule simulator, what such a run can and cannot show.  ``per_cell``: for an ablation
@@ -104,7 +119,7 @@ def limits_statement(cfg: RunConfig, *, per_cell: bool = False) -> str:
     difficulty = "" if per_cell else f" ({sim.difficulty} difficulty)"
     sim_desc = ("the deterministic rule simulator (no language model)" if sim.backend == "rule"
                 else f"`{sim.model}` through `{sim.backend}`{difficulty}")
-    training = (f" Training: {algorithm_for(cfg.training).label}, {cfg.training.steps} step(s) of "
+    training = (f" Training: {_algorithm_label(cfg.training)}, {cfg.training.steps} step(s) of "
                 f"{cfg.training.scenarios_per_step} scenario(s)." if "train" in cfg.stages and not per_cell else "")
     think = "" if per_cell else f", think mode {'on' if cfg.policy.think else 'off'}"
     lines = [f"**Models that ran{' (every cell)' if per_cell else ''}.** Policy: `{cfg.policy.model}` "
@@ -305,7 +320,7 @@ def ablation_header(name: str, axes: list[str],
     rows = ["| cell | " + " | ".join(axes) + " | training | think | simulator |",
             "|" + "---|" * (len(axes) + 4)]
     for cell_name, values, c in cells:
-        training = (f"{algorithm_for(c.training).label}, {c.training.steps} step(s)"
+        training = (f"{_algorithm_label(c.training)}, {c.training.steps} step(s)"
                     if "train" in c.stages else "none")
         rows.append(f"| `{cell_name}` | " + " | ".join(str(values[a]) for a in axes)
                     + f" | {training} | {'on' if c.policy.think else 'off'} | {c.simulator.difficulty} |")
@@ -322,7 +337,7 @@ def training_statement(cfg: RunConfig, n_scenarios: int) -> str:
     and the rollouts of each (``training.group_size``) over the ``n_scenarios`` training
     scenarios, the policy, the simulator's backend and the think mode."""
     t = cfg.training
-    return (f"**{algorithm_for(t).label}**, {t.steps} steps × {t.scenarios_per_step} scenarios × "
+    return (f"**{_algorithm_label(t)}**, {t.steps} steps × {t.scenarios_per_step} scenarios × "
             f"{t.group_size} rollouts on {n_scenarios} training scenarios; policy `{cfg.policy.model}`, "
             f"simulator `{cfg.simulator.backend}`, think mode {'on' if cfg.policy.think else 'off'}")
 
