@@ -196,21 +196,31 @@ def test_a_build_prints_one_line_per_phase_and_logs_the_compiler_output(tmp_path
     assert native.build_info(tmp_path / "venv")["cmake_args"] == fake_cmake  # the stamp is kept
 
 
-def test_ggml_compiles_at_o3_alone_and_the_rest_at_o1_in_unity_batches(tmp_path, monkeypatch):
+@pytest.mark.parametrize("generator", ["Ninja", "Makefiles"])
+def test_ggml_compiles_at_o3_alone_and_the_rest_at_o1_in_unity_batches(tmp_path, monkeypatch, capfd, generator):
     """Real cmake and a real compiler on llama.cpp's layout in small: a top project with
     the server, ``common`` and ``tools/mtmd`` libraries and a ``ggml`` sub-project. Pairs
     of files define the same static helper, so a file in the wrong batch fails the build:
     ggml's two kernels (ggml stays file by file), ``json.cpp`` beside ``arg.cpp`` and
-    the mtmd helpers beside ``clip.cpp`` (the three files kept out of the batches). The
-    compile commands in the build log show each file's batch and optimisation level."""
+    the mtmd helpers beside ``clip.cpp`` (the three files kept out of the batches). A
+    compiler launcher records each compile command, which shows the file's batch and
+    optimisation level; with either generator :func:`native.generator` can choose."""
     if not shutil.which("cmake") or not shutil.which("c++"):
         pytest.skip("needs cmake and a C++ compiler")
+    if generator == "Ninja" and not shutil.which("ninja"):
+        pytest.skip("needs ninja")
+    if generator == "Makefiles":
+        monkeypatch.setattr(native, "generator", lambda: [])
     monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))
     src = tmp_path / "src"
+    recorded = tmp_path / "compiles.txt"
+    (tmp_path / "record.py").write_text("import os, sys\n"
+                                        f"open({str(recorded)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+                                        "os.execvp(sys.argv[1], sys.argv[1:])\n")
     helper = "static int helper() { return 1; }\n"
     files = {
         "CMakeLists.txt": 'cmake_minimum_required(VERSION 3.14)\nproject("llama.cpp" CXX)\n'
-                          "set(CMAKE_VERBOSE_MAKEFILE ON)\n"
+                          f'set(CMAKE_CXX_COMPILER_LAUNCHER "{sys.executable};{tmp_path / "record.py"}")\n'
                           "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\n"
                           "add_subdirectory(ggml)\nadd_subdirectory(common)\nadd_subdirectory(tools/mtmd)\n"
                           "add_executable(llama-server server.cpp route.cpp)\n"
@@ -236,7 +246,10 @@ def test_ggml_compiles_at_o3_alone_and_the_rest_at_o1_in_unity_batches(tmp_path,
     monkeypatch.setattr(native, "cpu_flags", lambda: flags)
     args = native.cmake_args(flags)
     native.build(tmp_path / "venv", source=src, jobs=1)
-    compiles = [line for line in native.build_log(args).read_text().splitlines() if " -c " in line]
+    assert f"1 jobs with {generator};" in capfd.readouterr().err
+    configure = next(line for line in native.build_log(args).read_text().splitlines() if line.startswith("$ cmake -"))
+    assert ("-G Ninja" in configure) == (generator == "Ninja"), configure
+    compiles = [line for line in recorded.read_text().splitlines() if " -c " in line]
     levels = {Path(line.split()[-1]).name: re.findall(r"(?<!\S)-O\d", line) for line in compiles}
     assert levels == {
         "kernel.cpp": ["-O3"], "ops.cpp": ["-O3"],  # ggml: file by file, -O3
@@ -466,5 +479,7 @@ def test_a_long_phase_prints_the_builds_percentage_while_it_runs(tmp_path, monke
     assert re.search(r"llama-server compile: \d+ s$", console[-1]), console
     assert native._progress(log) == 57
     assert native._progress(tmp_path / "missing.log") is None
+    (tmp_path / "ninja.log").write_text("[59/105] Building CXX object a.o\n[60/105] Building CXX object b.o\n")
+    assert native._progress(tmp_path / "ninja.log") == 57  # Ninja's steps: 60 of 105
     (tmp_path / "quiet.log").write_text("-- Configuring done\n")
     assert native._progress(tmp_path / "quiet.log") is None
