@@ -184,7 +184,8 @@ def test_the_quickstart_leaves_the_dtype_to_the_hardware_and_learning_recipes_fi
     # the learning claims must mean one recipe on every CPU (docs/MEASURED.md "Why the
     # laptop GRPO run did not reproduce"); the quickstart only has to be quick
     assert load_config(ROOT / "params" / "quickstart.yaml").policy.dtype == "auto"
-    for name in ("laptop-grpo", "laptop-ppo", "laptop-grpo-3turn", "laptop-grpo-reversed", "laptop-grpo-learned"):
+    for name in ("laptop-grpo", "laptop-ppo", "laptop-grpo-3turn", "laptop-ppo-3turn", "laptop-grpo-reversed",
+                 "laptop-grpo-learned"):
         assert load_config(ROOT / "params" / f"{name}.yaml").policy.dtype == "float32", name
     assert load_config(ROOT / "params" / "paper-ppo-think-moderate.yaml").policy.dtype == "bfloat16"
 
@@ -195,7 +196,7 @@ def test_the_several_turn_recipes_judge_runs_on_one_slot_so_its_benchmark_replay
     # (docs/MEASURED.md "Dialogues of three policy turns": s.d. 7.6 points a scenario)
     from rlver_lib.pipeline.ablate import load_grid
 
-    for recipe in ("laptop-grpo-3turn.yaml", "ablation-credit.yaml"):
+    for recipe in ("laptop-grpo-3turn.yaml", "laptop-ppo-3turn.yaml", "ablation-credit.yaml"):
         path = ROOT / "params" / recipe
         cfg = load_config(path) if recipe.startswith("laptop") else load_grid(path)[1][0].config
         assert cfg.evaluation.max_turns == 3 and cfg.evaluation.judge.concurrency == 1, recipe
