@@ -161,7 +161,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from rlver_lib.doctor import report
 
     return report(policy=not args.no_policy, simulator=not args.no_simulator,
-                  binary=args.llama_server, model_path=args.simulator_gguf)
+                  binary=args.llama_server, model_path=args.simulator_gguf,
+                  remeasure_repack=args.remeasure_repack)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--no-simulator", action="store_true", help="skip the simulator smoke test")
     doctor.add_argument("--llama-server", type=Path, help="a llama-server binary to test instead of the build")
     doctor.add_argument("--simulator-gguf", type=Path, help="a GGUF file to serve instead of the embedded simulator")
+    doctor.add_argument("--remeasure-repack", action="store_true",
+                        help="measure again whether llama-server's weight repacking pays on this machine")
     doctor.set_defaults(func=_cmd_doctor)
     return parser
 

@@ -5,8 +5,9 @@ select, which build of each native library is installed (the ``llama-server``
 stamp, torch's CPU capability), the thread settings, and a 4-token smoke
 generation of each embedded model, each run in its own process so that a crash
 (SIGILL from a build that does not fit the CPU, SIGSEGV, abort) is reported with
-its signal instead of killing the check. Exit status 0 when every smoke test
-passed, 1 otherwise. ``make setup`` runs it last.
+its signal instead of killing the check; then whether llama-server's weight repacking
+pays on this machine, measured once a build (:func:`repack_line`). Exit status 0 when
+every smoke test passed, 1 otherwise. ``make setup`` runs it last.
 """
 
 from __future__ import annotations
@@ -42,16 +43,6 @@ class SmokeResult:
     model: str
     ok: bool
     detail: str
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def smoke_policy(timeout_s: float = 600.0) -> SmokeResult:
@@ -109,13 +100,35 @@ def _amx_check(server: Path) -> str:
     return f"{count} AMX instructions" + (" (can die with SIGILL where AMX is reported)" if count else "")
 
 
+def repack_line(model_path: Path | None = None, *, remeasure: bool = False) -> str:
+    """The report's line on llama-server's weight repacking on this machine: the recorded
+    choice (:func:`rlver_lib.native.repack_record`), measured first
+    (:func:`rlver_lib.servers.measure_repack`, about 20 s on the embedded simulator) when
+    nothing valid is recorded or ``remeasure``; what ``$LLAMA_ARG_REPACK`` says when set."""
+    from rlver_lib import servers
+    from rlver_lib.models import default_threads, simulator_gguf_path
+
+    if "LLAMA_ARG_REPACK" in os.environ:
+        setting = os.environ["LLAMA_ARG_REPACK"]
+        return f"llama-server weight repacking: as LLAMA_ARG_REPACK={setting} says (not measured)"
+    record = None if remeasure else native.repack_record()
+    if record is None:
+        record = servers.measure_repack(model_path or simulator_gguf_path(), threads=default_threads())
+    rates = record["prefill_tokens_per_s"]
+    return (f"llama-server weight repacking: {'on' if record['repack'] else 'off'} on this machine "
+            f"(prompt processing {rates['repack']:g} tokens/s with it, {rates['no_repack']:g} without, "
+            f"{record['model']}, measured {record['measured']}; off only when {record['margin']:g}x as fast)")
+
+
 def report(*, policy: bool = True, simulator: bool = True, binary: Path | None = None,
-           model_path: Path | None = None, out=sys.stdout) -> int:
-    """Print the health report; returns the exit status (0 all smoke tests ok, else 1)."""
+           model_path: Path | None = None, remeasure_repack: bool = False, out=sys.stdout) -> int:
+    """Print the health report; returns the exit status (0 all smoke tests ok, else 1).
+    With the installed build (``binary`` None) and a passing simulator smoke test, it also
+    reports (and first measures, see :func:`repack_line`) the weight repacking choice."""
     flags = native.cpu_flags()
     wanted = native.cmake_args(flags)
     amx = sorted(f for f in flags if f.startswith("amx"))
-    print(f"CPU: {_cpu_model()} ({platform.machine()}, {os.cpu_count()} logical CPUs)", file=out)
+    print(f"CPU: {native.cpu_model()} ({platform.machine()}, {os.cpu_count()} logical CPUs)", file=out)
     print(f"  llama.cpp options for this CPU: {', '.join(native.enabled_options(wanted)) or 'native'}"
           f"; AMX {'reported (' + ', '.join(amx) + ') but ' if amx else ''}off", file=out)
     info = native.build_info(native.install_dir() if binary is None else binary.parent.parent)
@@ -146,6 +159,8 @@ def report(*, policy: bool = True, simulator: bool = True, binary: Path | None =
     for result in results:
         print(f"smoke {result.model}: {'ok' if result.ok else 'FAILED'} — {result.detail}", file=out)
     failed = [r for r in results if not r.ok]
+    if simulator and binary is None and not failed:
+        print(repack_line(model_path, remeasure=remeasure_repack), file=out)
     if failed:
         print(f"rlver doctor: {len(failed)} smoke generation(s) failed; see docs/SETUP.md "
               "'The native build' (rebuild with `make native`)", file=out)

@@ -37,6 +37,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from rlver_lib.files import atomic_directory, cache_dir
 
@@ -159,6 +160,17 @@ def cmake_args(flags: frozenset[str] | set[str], machine: str | None = None) -> 
     return args
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def enabled_options(args: list[str]) -> list[str]:
     """The ``GGML_*`` instruction-set options turned on in ``args`` (for reports)."""
     known = {option for option, _ in X86_OPTIONS}
@@ -212,6 +224,41 @@ def llama_server_path(root: Path | None = None) -> Path:
             f"{binary} was built for CPU options {info.get('options')} but this CPU needs "
             f"{wanted['options']}; rebuild it with `make native`")
     return binary
+
+
+#: where ``rlver doctor`` records whether llama-server's weight repacking pays on this
+#: machine (:func:`rlver_lib.servers.measure_repack`), in the build's folder (:func:`install_dir`)
+REPACK_RECORD = "repack.json"
+
+
+def repack_record_path(root: Path | None = None) -> Path:
+    """:data:`REPACK_RECORD` in the native build's folder ``root`` (default: the installed one)."""
+    return (root or install_dir()) / REPACK_RECORD
+
+
+def repack_record(root: Path | None = None) -> dict[str, Any] | None:
+    """The record :func:`rlver_lib.servers.measure_repack` wrote for this CPU and this
+    build of ``llama-server`` (in ``root``), or ``None``: nothing measured, an unreadable
+    file, or a record made on another CPU model or for another build."""
+    try:
+        record = json.loads(repack_record_path(root).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    build = build_info(root) or {}
+    if not isinstance(record, dict) or record.get("cpu") != cpu_model() \
+            or record.get("cmake_args") != build.get("cmake_args") or "repack" not in record:
+        return None
+    return record
+
+
+def recorded_repack(root: Path | None = None) -> bool | None:
+    """This machine's measured choice of weight repacking (:func:`repack_record`), or
+    ``None`` (llama.cpp's default) when nothing valid is recorded or ``$LLAMA_ARG_REPACK``
+    is set: llama-server reads that variable itself, and the user's setting wins."""
+    if "LLAMA_ARG_REPACK" in os.environ:
+        return None
+    record = repack_record(root)
+    return None if record is None else bool(record["repack"])
 
 
 def amx_instruction_count(binary: Path) -> int | None:

@@ -11,11 +11,13 @@ llama.cpp's ``llama-server`` (the CPU-matched build of :mod:`rlver_lib.native`);
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rlver_lib.backends import BackendDied, BackendError, Closing, Conversation, Generation
 from rlver_lib.config import SamplingParams
+from rlver_lib.files import atomic_write_json
 from rlver_lib.openai_backend import OpenAIBackend
 
 #: llama-server's n-gram speculative decoding (``speculative: ngram``): ``ngram-mod`` drafts
@@ -84,17 +86,20 @@ class LlamaServerBackend(Closing):
     raises :class:`~rlver_lib.native.NativeBuildError` when missing or built for another
     CPU). ``alias`` is the model name the server answers to (default: the file's stem).
     ``threads`` is used for decoding and prompt processing, with polling off so
-    idle worker threads sleep instead of spinning. Start-up waits for ``/health`` at
-    most ``startup_timeout_s`` seconds; a server that exits or does not answer in time
-    raises :class:`BackendDied` with the tail of its log. :meth:`close` (also on
-    ``with`` exit and at interpreter exit) stops the process.
+    idle worker threads sleep instead of spinning. ``repack``: whether llama.cpp copies
+    the weights into its interleaved layout for its batched kernels (``--repack`` /
+    ``--no-repack``); ``None`` takes this machine's measured choice
+    (:func:`rlver_lib.native.recorded_repack`), else llama.cpp's default (on, or ``$LLAMA_ARG_REPACK``).
+    Start-up waits for ``/health`` at most ``startup_timeout_s`` seconds; a server that
+    exits or does not answer in time raises :class:`BackendDied` with the tail of its
+    log. :meth:`close` (also on ``with`` exit and at interpreter exit) stops the process.
     """
 
     def __init__(self, model_path: str | Path, *, n_ctx: int = 4096, parallel: int = 8,
                  threads: int | None = None, seed: int = 0, timeout_s: float = 600.0,
                  max_retries: int = 1, startup_timeout_s: float = 300.0,
                  binary: str | Path | None = None, alias: str | None = None,
-                 extra_args: Sequence[str] = ()):
+                 extra_args: Sequence[str] = (), repack: bool | None = None):
         import atexit
         import subprocess
         import tempfile
@@ -110,13 +115,15 @@ class LlamaServerBackend(Closing):
         self.binary = Path(binary) if binary else native.llama_server_path()
         self.port = free_port()
         threads = threads or 1
+        self.repack = native.recorded_repack() if repack is None else repack
+        switch = () if self.repack is None else ("--repack",) if self.repack else ("--no-repack",)
         self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         self.command = [
             str(self.binary), "--model", str(path), "--host", "127.0.0.1", "--port", str(self.port),
             "--ctx-size", str(n_ctx * parallel), "--parallel", str(parallel), "--no-kv-unified",
             "--threads", str(threads), "--threads-batch", str(threads), "--poll", "0",
             "--seed", str(seed), "--no-webui", "--jinja", "--cache-ram", "512",
-            "--alias", alias or path.stem, *extra_args,
+            "--alias", alias or path.stem, *switch, *extra_args,
         ]
         self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
@@ -225,3 +232,64 @@ class LlamaServerBackend(Closing):
                 self.process.wait()
         self.client.close()
         self._log.close()
+
+
+# --------------------------------------------------------------------------- weight repacking
+
+#: repacking is turned off only where prompt processing without it is at least this many
+#: times as fast: one prefill's rate moves by about 10 % from request to request
+#: (docs/MEASURED.md, "Weight repacking in llama-server")
+REPACK_MARGIN = 1.15
+
+
+def prefill_rate(model_path: str | Path, *, repack: bool, threads: int | None = None,
+                 binary: str | Path | None = None, tokens: int = 256, repeats: int = 2) -> float:
+    """llama-server's prompt processing speed on ``model_path``, in tokens per second:
+    the fastest of ``repeats`` prefills of the same ``tokens``-token prompt (prompt cache
+    off, one slot, one token generated), with the weights repacked or not (``repack``).
+    The first prefill also pages in the weights that repacking did not copy; the best of
+    two leaves that out. Raises :class:`BackendError` when a request fails."""
+    import httpx
+
+    with LlamaServerBackend(model_path, n_ctx=tokens + 64, parallel=1, threads=threads, binary=binary,
+                            repack=repack) as server:
+        body = {"prompt": list(range(1000, 1000 + tokens)), "n_predict": 1, "cache_prompt": False,
+                "temperature": 0}
+        rates = []
+        for _ in range(repeats):
+            answer = httpx.post(f"http://127.0.0.1:{server.port}/completion", json=body, timeout=600)
+            if answer.status_code != 200:
+                raise BackendError(f"llama-server /completion: HTTP {answer.status_code}: {answer.text[:200]}")
+            rates.append(float(answer.json()["timings"]["prompt_per_second"]))
+    return max(rates)
+
+
+def measure_repack(model_path: str | Path, *, threads: int | None = None, root: Path | None = None,
+                   tokens: int = 256, repeats: int = 2) -> dict[str, Any]:
+    """Measure :func:`prefill_rate` with and without weight repacking on the installed
+    ``llama-server`` (in ``root``) and record the choice for this machine.
+
+    llama.cpp repacks Q4_K weights for its AVX2 kernels wherever the CPU has AVX2; on an
+    AVX-512 Xeon that made prompt processing about a third slower (docs/MEASURED.md), so
+    the choice is measured, not assumed. Repacking stays on unless turning it off is at
+    least :data:`REPACK_MARGIN` times as fast. Writes
+    :func:`~rlver_lib.native.repack_record_path` atomically and returns the record:
+    ``repack`` (the choice), ``prefill_tokens_per_s`` (``repack`` / ``no_repack``),
+    ``margin``, ``model``, ``tokens``, ``cpu``, ``cmake_args`` (the build measured) and
+    ``measured`` (UTC time). Raises
+    :class:`~rlver_lib.native.NativeBuildError` when no build fits this CPU,
+    :class:`BackendError` when the server fails.
+    """
+    from rlver_lib import native
+
+    binary = native.llama_server_path(root)
+    rates = {name: prefill_rate(model_path, repack=on, threads=threads, binary=binary, tokens=tokens,
+                                repeats=repeats)
+             for name, on in (("repack", True), ("no_repack", False))}
+    record = {"repack": rates["no_repack"] < REPACK_MARGIN * rates["repack"],
+              "prefill_tokens_per_s": {k: round(v, 1) for k, v in rates.items()}, "margin": REPACK_MARGIN,
+              "model": Path(model_path).name, "tokens": tokens, "cpu": native.cpu_model(),
+              "cmake_args": (native.build_info(root) or {}).get("cmake_args"),
+              "measured": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    atomic_write_json(native.repack_record_path(root), record)
+    return record

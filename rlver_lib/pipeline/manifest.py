@@ -1,5 +1,6 @@
-"""The run manifest (``manifest.json``): package versions, git commit, per-stage status,
-wall time and peak memory (:func:`track_peak_memory`).
+"""The run manifest (``manifest.json``): package versions, git commit, the CPU and its
+llama-server build (:func:`native_build`), per-stage status, wall time and peak memory
+(:func:`track_peak_memory`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Iterator
 
 import psutil
 
+from rlver_lib import native
 from rlver_lib.config import RENAMED_STAGES, RunConfig
 from rlver_lib.files import PROJECT_ROOT, RunFolder
 
@@ -60,6 +62,16 @@ def git_commit(root: Path = PROJECT_ROOT) -> dict[str, Any]:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
+def native_build() -> dict[str, Any]:
+    """The CPU and the llama-server build a run uses: ``cpu`` (model name), ``options``
+    (the build's instruction-set options, ``None`` when not built) and ``repack`` (weight
+    repacking as measured on this machine, :func:`rlver_lib.native.recorded_repack`;
+    ``None``: llama.cpp's default). Kernels and repacking move a served judge's
+    probabilities by about 0.01 (docs/MEASURED.md, "Weight repacking in llama-server")."""
+    info = native.build_info() or {}
+    return {"cpu": native.cpu_model(), "options": info.get("options"), "repack": native.recorded_repack()}
+
+
 def read_manifest(run_dir: str | Path) -> dict[str, Any]:
     """The run's ``manifest.json`` as a dict (empty when the run has not started); an
     older run's stages under their current names (:data:`rlver_lib.config.RENAMED_STAGES`)."""
@@ -80,6 +92,7 @@ def new_manifest(cfg: RunConfig, params_file: str | None) -> dict[str, Any]:
         "git": git_commit(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "llama_server": native_build(),
         "versions": package_versions(),
         "created": utc_now(),
         "runs": [],
