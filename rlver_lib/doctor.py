@@ -104,16 +104,23 @@ def repack_line(model_path: Path | None = None, *, remeasure: bool = False) -> s
     """The report's line on llama-server's weight repacking on this machine: the recorded
     choice (:func:`rlver_lib.native.repack_record`), measured first
     (:func:`rlver_lib.servers.measure_repack`, about 20 s on the embedded simulator) when
-    nothing valid is recorded or ``remeasure``; what ``$LLAMA_ARG_REPACK`` says when set."""
+    nothing valid is recorded or ``remeasure``; what ``$LLAMA_ARG_REPACK`` says when set.
+    A measurement that fails is reported in the line and leaves llama.cpp's default."""
     from rlver_lib import servers
     from rlver_lib.models import default_threads, simulator_gguf_path
 
     if "LLAMA_ARG_REPACK" in os.environ:
         setting = os.environ["LLAMA_ARG_REPACK"]
         return f"llama-server weight repacking: as LLAMA_ARG_REPACK={setting} says (not measured)"
+    from rlver_lib.backends import BackendError
+
     record = None if remeasure else native.repack_record()
     if record is None:
-        record = servers.measure_repack(model_path or simulator_gguf_path(), threads=default_threads())
+        try:
+            record = servers.measure_repack(model_path or simulator_gguf_path(), threads=default_threads())
+        except (BackendError, native.NativeBuildError, OSError) as err:
+            return (f"llama-server weight repacking: not measured ({str(err).splitlines()[0]}); "
+                    "llama.cpp's default (on) stays")
     rates = record["prefill_tokens_per_s"]
     return (f"llama-server weight repacking: {'on' if record['repack'] else 'off'} on this machine "
             f"(prompt processing {rates['repack']:g} tokens/s with it, {rates['no_repack']:g} without, "

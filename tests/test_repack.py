@@ -122,3 +122,24 @@ def test_the_doctor_measures_when_asked_or_when_nothing_is_recorded(build_root, 
     assert doctor.repack_line(build_root / "m.gguf") == \
         "llama-server weight repacking: as LLAMA_ARG_REPACK=off says (not measured)"
     assert len(calls) == 2
+
+
+def test_a_failed_measurement_is_reported_and_changes_nothing(build_root, monkeypatch):
+    from rlver_lib.backends import BackendDied
+
+    def died(model, **kw):
+        raise BackendDied("llama-server for m.gguf exited with status 1 while starting\nlog tail")
+
+    monkeypatch.setattr(servers, "measure_repack", died)
+    assert doctor.repack_line(build_root / "m.gguf") == (
+        "llama-server weight repacking: not measured (llama-server for m.gguf exited with status 1 while "
+        "starting); llama.cpp's default (on) stays")
+    assert native.recorded_repack() is None
+
+
+def test_the_run_manifest_records_the_cpu_and_the_choice(build_root):
+    from rlver_lib.pipeline.manifest import native_build
+
+    assert native_build() == {"cpu": native.cpu_model(), "options": native.build_info()["options"], "repack": None}
+    _record(build_root, repack=False)
+    assert native_build()["repack"] is False
