@@ -107,13 +107,12 @@ def repack_line(model_path: Path | None = None, *, remeasure: bool = False) -> s
     nothing valid is recorded or ``remeasure``; what ``$LLAMA_ARG_REPACK`` says when set.
     A measurement that fails is reported in the line and leaves llama.cpp's default."""
     from rlver_lib import servers
+    from rlver_lib.backends import BackendError
     from rlver_lib.models import default_threads, simulator_gguf_path
 
     if "LLAMA_ARG_REPACK" in os.environ:
         setting = os.environ["LLAMA_ARG_REPACK"]
         return f"llama-server weight repacking: as LLAMA_ARG_REPACK={setting} says (not measured)"
-    from rlver_lib.backends import BackendError
-
     record = None if remeasure else native.repack_record()
     if record is None:
         try:
