@@ -89,7 +89,8 @@ class LlamaServerBackend(Closing):
     idle worker threads sleep instead of spinning. ``repack``: whether llama.cpp copies
     the weights into its interleaved layout for its batched kernels (``--repack`` /
     ``--no-repack``); ``None`` takes this machine's measured choice
-    (:func:`rlver_lib.native.recorded_repack`), else llama.cpp's default (on, or ``$LLAMA_ARG_REPACK``).
+    (:func:`rlver_lib.native.recorded_repack`), else llama.cpp's default (on, or
+    ``$LLAMA_ARG_REPACK``).
     Start-up waits for ``/health`` at most ``startup_timeout_s`` seconds; a server that
     exits or does not answer in time raises :class:`BackendDied` with the tail of its
     log. :meth:`close` (also on ``with`` exit and at interpreter exit) stops the process.
@@ -276,9 +277,8 @@ def measure_repack(model_path: str | Path, *, threads: int | None = None, root: 
     :func:`~rlver_lib.native.repack_record_path` atomically and returns the record:
     ``repack`` (the choice), ``prefill_tokens_per_s`` (``repack`` / ``no_repack``),
     ``margin``, ``model``, ``tokens``, ``cpu``, ``cmake_args`` (the build measured) and
-    ``measured`` (UTC time). Raises
-    :class:`~rlver_lib.native.NativeBuildError` when no build fits this CPU,
-    :class:`BackendError` when the server fails.
+    ``measured`` (UTC time). Raises :class:`~rlver_lib.native.NativeBuildError` when no
+    build fits this CPU, :class:`BackendError` when the server fails.
     """
     from rlver_lib import native
 
