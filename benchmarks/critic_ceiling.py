@@ -84,10 +84,10 @@ def token_features(policy: TransformersBackend, record: dict, scenario, think: b
 def load_run(run_dir: Path, policy: TransformersBackend) -> list[dict]:
     """Per training step: token features ``X`` [N, H], token returns ``y`` [N], the
     dialogues' scenario per token ``group`` and the logged explained variances."""
-    cfg = load_run_config(RunFolder(run_dir).config)
+    folder = RunFolder(run_dir)
+    cfg = load_run_config(folder.config)
     if cfg.training.credit != "final":
         raise SystemExit(f"{run_dir}: training.credit is {cfg.training.credit!r}; this script reads 'final'")
-    folder = RunFolder(run_dir)
     scenarios = {s.id: s for s in load_scenarios(folder.scenarios("train"))}
     logged = {row["step"]: row for _, row in iter_jsonl(folder.metrics)}
     steps = []
